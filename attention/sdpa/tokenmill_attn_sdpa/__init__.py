@@ -1,0 +1,21 @@
+"""SDPA attention plugin: runs wherever torch runs, and is the reference that
+every other backend is checked against."""
+
+from typing import Any
+
+from tokenmill.hookspecs import hookimpl
+from tokenmill.plugins.specs import AttentionBackendSpec
+
+TOKENMILL_PLUGIN_API = 1
+
+
+@hookimpl
+def tokenmill_register_attention_backends(platform: Any) -> list[AttentionBackendSpec]:
+    return [
+        AttentionBackendSpec(
+            name="sdpa",
+            qualname="tokenmill_attn_sdpa.backend:SDPABackend",
+            device_types=("cpu", "cuda", "xpu"),
+            priority=0,
+        )
+    ]

@@ -1,0 +1,82 @@
+"""Paged attention for mixed prefill/decode batches with torch SDPA.
+
+Once per step, ``prepare`` turns the block tables into gather indices and a
+boolean mask over a padded ``[requests, max_query_len, max_seq_len]`` grid;
+each layer then writes its new K/V through the slot mapping, gathers every
+request's keys and values from its blocks, and runs one batched SDPA call
+(grouped-query attention natively, no repeated KV heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention import AttentionMetadata, KVCache
+from tokenmill.layers import Attention
+
+
+@dataclass
+class SDPAStepData:
+    """Per-step gather indices and masks shared by all layers."""
+
+    kv_index: torch.Tensor  # [B, S] flat cache slot of each request's key j
+    query_index: torch.Tensor  # [B, Q] flat token index of each request's query i (0 for padding)
+    query_valid: torch.Tensor  # [B, Q] bool
+    query_pos: torch.Tensor  # [B, Q] sequence position of each query
+    key_pos: torch.Tensor  # [S]
+    causal: torch.Tensor  # [B, 1, Q, S] bool, True where attention is allowed
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.causal
+        if sliding_window not in self.windowed:
+            inside = (self.query_pos[:, :, None] - self.key_pos[None, None, :]) < sliding_window
+            self.windowed[sliding_window] = self.causal & inside[:, None]
+        return self.windowed[sliding_window]
+
+
+class SDPABackend:
+    name = "sdpa"
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def prepare(self, metadata: AttentionMetadata) -> SDPAStepData:
+        device = metadata.slot_mapping.device
+        max_q, max_s = metadata.max_query_len, metadata.max_seq_len
+        block_size = metadata.block_size
+        key_pos = torch.arange(max_s, device=device)
+        blocks = metadata.block_table[:, key_pos // block_size]
+        kv_index = blocks * block_size + key_pos % block_size
+        query_offset = torch.arange(max_q, device=device)
+        query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+        query_valid = query_offset[None, :] < query_lens[:, None]
+        query_index = torch.where(query_valid, metadata.query_start_loc[:-1, None] + query_offset[None, :], 0)
+        query_pos = metadata.context_lens[:, None] + query_offset[None, :]
+        causal = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < metadata.seq_lens[:, None, None])
+        # A padding query row attends to key 0 only, so its softmax stays finite; it is dropped later.
+        causal = causal | (~query_valid[:, :, None] & (key_pos == 0)[None, None, :])
+        kv_index = torch.where(key_pos[None, :] < metadata.seq_lens[:, None], kv_index, 0)
+        return SDPAStepData(kv_index, query_index, query_valid, query_pos, key_pos, causal[:, None])
+
+    def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        flat_k = key_cache.view(-1, layer.num_kv_heads, layer.head_size)
+        flat_v = value_cache.view(-1, layer.num_kv_heads, layer.head_size)
+        flat_k.index_copy_(0, metadata.slot_mapping, key)
+        flat_v.index_copy_(0, metadata.slot_mapping, value)
+
+        step: SDPAStepData = metadata.backend_data
+        q = query[step.query_index].transpose(1, 2)  # [B, H, Q, D]
+        k = flat_k[step.kv_index].transpose(1, 2)  # [B, H_kv, S, D]
+        v = flat_v[step.kv_index].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.mask(layer.sliding_window), scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out.transpose(1, 2)[step.query_valid]  # [T, H, D], tokens in batch order

@@ -1,0 +1,1 @@
+"""tokenmill's command line (typer)."""

@@ -1,0 +1,30 @@
+"""``tokenmill``: the command-line entry point; each command lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from tokenmill_cli import generate, plugins
+
+app = typer.Typer(
+    name="tokenmill",
+    help="tokenmill: a plugin-first LLM inference and serving engine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("generate", help="Generate text for one or more prompts with a local engine.")(generate.generate)
+app.command("plugins", help="List installed plugins: name, distribution, version, hooks and what they register.")(
+    plugins.list_plugins
+)
+
+
+@app.callback()
+def _root(log_level: str = typer.Option("warning", help="debug, info, warning or error")) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    app()

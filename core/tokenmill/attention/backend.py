@@ -1,0 +1,67 @@
+"""The interface an attention backend plugin implements, and how one is chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.errors import PluginError
+from tokenmill.plugins.specs import AttentionBackendSpec, resolve_qualname
+
+if TYPE_CHECKING:
+    from tokenmill.layers.attention import Attention
+    from tokenmill.plugins.manager import PluginManager
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_size]
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a mixed batch of prefills and decodes.
+
+    ``prepare`` runs once per step; ``forward`` once per layer. ``forward``
+    first writes the new tokens' K and V into ``kv_cache`` at
+    ``metadata.slot_mapping``, then attends each query to its request's cached
+    keys (causal, within ``layer.sliding_window`` when set).
+    """
+
+    name: str
+
+    def prepare(self, metadata: AttentionMetadata) -> Any: ...
+
+    def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """``query`` [T, H, D], ``key``/``value`` [T, H_kv, D] -> output [T, H, D]."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What the model needs from a backend; the user's explicit choice if any."""
+
+    device_type: str
+    dtype: str
+    head_size: int
+    sliding_window: bool
+    preferred: str | None = None
+
+
+def select_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements) -> AttentionBackendSpec:
+    """Collect the registered backends, keep those that fit, let the hooks choose."""
+    registered = {name: spec for name, (_, spec) in
+                  plugins.collect_named("tokenmill_register_attention_backends", platform=platform).items()}
+    if needs.preferred is not None and needs.preferred not in registered:
+        raise PluginError(f"attention backend {needs.preferred!r} is not installed; have {sorted(registered)}")
+    candidates = [s for s in registered.values()
+                  if s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window)]
+    chosen = plugins.hook.tokenmill_select_attention_backend(request=needs, candidates=candidates, platform=platform)
+    if chosen is None:
+        raise PluginError(f"no installed attention backend supports {needs}; registered: {sorted(registered)}")
+    return registered[chosen]
+
+
+def build_attention_backend(spec: AttentionBackendSpec, **kwargs: Any) -> AttentionBackend:
+    backend_cls = resolve_qualname(spec.qualname)
+    return backend_cls(**kwargs)

@@ -1,0 +1,93 @@
+"""The engine core: the scheduler, the KV cache manager and the executor,
+and one ``step()`` that moves every running request forward."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import ModelNotFoundError
+from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill.model_loader.loader import default_model, load_checkpoint
+from tokenmill.platform import Platform, detect_platform, resolve_dtype
+from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.output import EngineCoreOutput
+from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, progress: bool = False) -> None:
+        self.config = config
+        self.plugins = plugins or get_plugin_manager(strict=config.strict_plugins)
+        self.platform: Platform = detect_platform(self.plugins)
+        self.platform.configure_process(config)
+        self.plugins.hook.tokenmill_process_start(role="engine", rank=0, config=config)
+        self.dtype = resolve_dtype(config.dtype, self.platform)
+        self.checkpoint = load_checkpoint(config.model or default_model(self.plugins), self.plugins, self.platform,
+                                          self.dtype, config.revision, config.tokenizer)
+        self.max_model_len = _max_model_len(config, self.checkpoint)
+        self.executor: Executor = UniProcExecutor(config, self.platform, plugins=self.plugins,
+                                                  checkpoint=self.checkpoint, dtype=self.dtype,
+                                                  max_model_len=self.max_model_len, progress=progress)
+        self.num_kv_blocks = self._init_kv_cache()
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        ), self.kv_manager)
+
+    def _init_kv_cache(self) -> int:
+        per_block = self.executor.kv_bytes_per_block()
+        num_blocks = self.config.num_kv_blocks or self.executor.kv_cache_budget() // per_block
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.config.block_size} tokens, fewer than one "
+                f"max_model_len={self.max_model_len} sequence needs ({needed}); raise kv_cache_memory or lower max_model_len"
+            )
+        self.executor.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.checkpoint.tokenizer
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled, runner_output.logprobs,
+                                                 runner_output.prompt_logprobs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
+    native = getattr(checkpoint.hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if native is None:
+            raise ModelNotFoundError("the model config gives no max_position_embeddings: set max_model_len")
+        return int(native)
+    if native is not None and config.max_model_len > native:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {native} positions")
+    return config.max_model_len

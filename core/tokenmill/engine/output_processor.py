@@ -1,0 +1,138 @@
+"""From the core's per-step token ids to ``RequestOutput``s: detokenize,
+apply stop strings, gather logprobs, and merge the ``n`` samples of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from tokenmill.request import RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import EngineCoreOutput
+
+
+@dataclass
+class _Sample:
+    """One of a request's ``n`` samples (the whole request when ``n == 1``)."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.detokenizer.text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, _Sample]
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+    def output(self) -> RequestOutput:
+        completions = [s.completion() for s in sorted(self.samples.values(), key=lambda s: s.index)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+                             self.prompt_logprobs, self.num_cached_tokens, self.error)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._parent_of: dict[str, str] = {}  # core request id -> parent id
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    children: list[tuple[str, SamplingParams]]) -> None:
+        samples = {
+            child_id: _Sample(i, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                              logprobs=[] if params.logprobs is not None else None,
+                              cumulative_logprob=0.0 if params.logprobs is not None else None)
+            for i, (child_id, params) in enumerate(children)
+        }
+        self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, samples)
+        self._parent_of.update({child_id: request_id for child_id in samples})
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return list(self._parents[request_id].samples) if request_id in self._parents else []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests' outputs, and the core requests that a stop string ended."""
+        touched: dict[str, _Parent] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            parent_id = self._parent_of.get(out.req_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            if self._update_sample(parent, parent.samples[out.req_id], out):
+                stopped.append(out.req_id)
+            touched[parent_id] = parent
+        return [self._emit(parent) for parent in touched.values()], stopped
+
+    def finish(self, req_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
+        """Mark a core request finished from outside the step (abort, timeout, error)."""
+        parent_id = self._parent_of.get(req_id)
+        if parent_id is None:
+            return None
+        parent = self._parents[parent_id]
+        sample = parent.samples[req_id]
+        if sample.finish_reason is None:
+            sample.finish_reason = status.finish_reason
+        parent.error = parent.error or error
+        return self._emit(parent)
+
+    def _emit(self, parent: _Parent) -> RequestOutput:
+        output = parent.output()
+        if output.finished:
+            del self._parents[parent.request_id]
+            for child_id in parent.samples:
+                self._parent_of.pop(child_id, None)
+        return output
+
+    def _update_sample(self, parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> bool:
+        parent.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] + [self._logprob_dict(e) for e in out.new_prompt_logprobs]
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.new_logprobs:
+            for entries in out.new_logprobs:
+                sample.logprobs.append(self._logprob_dict(entries))
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entries[0][1]
+        stop = sample.detokenizer.add_tokens(out.new_token_ids)
+        if stop is not None and out.finish_status is None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            return True
+        if out.finish_status is not None:
+            sample.finish_reason = RequestStatus(out.finish_status).finish_reason
+            sample.stop_reason = stop if stop is not None else out.stop_reason
+            parent.error = parent.error or out.error
+        return False
+
+    def _logprob_dict(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {token: Logprob(logprob, rank, self._decode(token)) for token, logprob, rank in entries}
+
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -1,0 +1,101 @@
+"""The offline API, named and shaped as vLLM's so a vLLM script runs by
+changing its import: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.input_processor import PromptType
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.chat import Message, render_chat
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine in this process, for batches of prompts.
+
+    Keyword arguments are :class:`~tokenmill.config.EngineConfig` fields
+    (``dtype``, ``max_model_len``, ``enable_prefix_caching``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``seed``, ...).
+    """
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = False, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config, progress=show_progress)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        All prompts are validated before any runs, so a bad one raises
+        ``InvalidRequestError`` without leaving the others half-done.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = _per_prompt(sampling_params, len(prompt_list))
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self._chat_token_ids(conv, chat_template, add_generation_prompt,
+                                                      continue_final_message)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_token_ids(self, conversation: Sequence[Message], chat_template: str | None,
+                        add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        text = render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt,
+                           continue_final_message)
+        # The template already holds the special tokens (BOS): do not add them again.
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Generating", unit=" req")

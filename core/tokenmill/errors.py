@@ -1,0 +1,43 @@
+"""Typed errors the engine raises to its callers.
+
+Every error a user can cause is a subclass of :class:`TokenmillError`, so the
+server maps them to 4xx answers and the Python API raises something a caller
+can catch by kind.
+"""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base class of every error tokenmill raises on purpose."""
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """A request (prompt or sampling parameter) the engine cannot serve.
+
+    ``param`` names the offending parameter so the server can report it.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidStateTransition(TokenmillError, RuntimeError):
+    """A request was moved between two states that do not connect."""
+
+
+class ModelNotFoundError(TokenmillError, FileNotFoundError):
+    """The model path or hub id does not resolve to a checkpoint."""
+
+
+class UnsupportedModelError(TokenmillError, ValueError):
+    """No installed model plugin implements the checkpoint's architecture."""
+
+
+class PluginError(TokenmillError, RuntimeError):
+    """A plugin failed to load, or two plugins claim the same name."""
+
+
+class EngineDeadError(TokenmillError, RuntimeError):
+    """The engine loop died; no request can make progress any more."""

@@ -1,0 +1,50 @@
+"""The ``Attention`` layer every model uses; the backend does the work."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, KVCache
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention over the paged KV cache.
+
+    Models hand it projected ``q``, ``k``, ``v`` of shape ``[T, heads * head_size]``
+    after rotary embedding; the model runner binds the backend and this layer's
+    KV cache once, after the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, layer_index: int = 0) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.layer_index = layer_index
+        self.backend: AttentionBackend | None = None
+        self.kv_cache: KVCache | None = None
+
+    def bind(self, backend: AttentionBackend, kv_cache: KVCache) -> None:
+        self.backend = backend
+        self.kv_cache = kv_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.backend is None or self.kv_cache is None:
+            raise RuntimeError("Attention layer used before the model runner bound its KV cache")
+        tokens = q.shape[0]
+        out = self.backend.forward(
+            self,
+            q.view(tokens, self.num_heads, self.head_size),
+            k.view(tokens, self.num_kv_heads, self.head_size),
+            v.view(tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            metadata,
+        )
+        return out.reshape(tokens, self.num_heads * self.head_size)

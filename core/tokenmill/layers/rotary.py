@@ -1,0 +1,50 @@
+"""Rotary position embedding with a precomputed cos/sin table.
+
+Inverse frequencies come from transformers' own rope initialisers, so every
+rope type its configs use (default, linear, dynamic, llama3, yarn, ...) means
+exactly what it means there. ``dynamic`` is evaluated once at the configured
+maximum length instead of per forward: identical below the original
+context length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inverse_frequencies(hf_config: Any, head_size: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_size/2], attention_scaling)`` for ``hf_config``'s rope."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config: Any, head_size: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_size)
+        positions = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` [T, H, D] and ``k`` [T, H_kv, D], rotated at ``positions`` [T]."""
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

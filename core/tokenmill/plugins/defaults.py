@@ -1,0 +1,18 @@
+"""The core's own hook implementations, registered ``trylast`` like any plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.hookspecs import hookimpl
+from tokenmill.plugins.specs import AttentionBackendSpec
+
+
+@hookimpl(trylast=True)
+def tokenmill_select_attention_backend(request: Any, candidates: list[AttentionBackendSpec]) -> str | None:
+    """An explicit choice wins; otherwise the supporting backend of highest priority."""
+    if request.preferred is not None:
+        return request.preferred
+    if not candidates:
+        return None
+    return max(candidates, key=lambda spec: spec.priority).name

@@ -1,0 +1,108 @@
+"""Spec records returned by registration hooks.
+
+They hold lazy ``"module:Class"`` qualnames and static capabilities only, so an
+entry-point module can build them without importing torch; the core imports the
+class behind a spec only once it has chosen it (:func:`resolve_qualname`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def resolve_qualname(qualname: str) -> Any:
+    """Import ``"package.module:Attr.attr"`` and return the object it names."""
+    module_name, _, attr_path = qualname.partition(":")
+    if not attr_path:
+        raise ValueError(f"qualname {qualname!r} must look like 'module:Attr'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """A platform this machine has; the highest ``priority`` wins."""
+
+    name: str
+    qualname: str
+    priority: int = 0
+    device_type: str = "cpu"
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    """An attention backend and what it can run."""
+
+    name: str
+    qualname: str
+    device_types: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    head_sizes: tuple[int, ...] | None = None  # None: any head size
+    supports_sliding_window: bool = True
+    priority: int = 0
+
+    def supports(self, device_type: str, dtype: str, head_size: int, sliding_window: bool) -> bool:
+        return (
+            device_type in self.device_types
+            and dtype in self.dtypes
+            and (self.head_sizes is None or head_size in self.head_sizes)
+            and (self.supports_sliding_window or not sliding_window)
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model class for one architecture name of ``config.json``."""
+
+    qualname: str
+    is_generative: bool = True
+    supports_pooling: bool = True
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class QuantMethodSpec:
+    """A quantization method or quantized checkpoint format.
+
+    ``checkpoint_aliases`` are the names a checkpoint's ``quantization_config``
+    may use; ``file_suffixes`` are single-file formats (``.gguf``) whose
+    ``loader_qualname`` turns the file into a config, tokenizer and weights.
+    """
+
+    name: str
+    qualname: str
+    checkpoint_aliases: tuple[str, ...] = ()
+    file_suffixes: tuple[str, ...] = ()
+    loader_qualname: str | None = None
+
+
+@dataclass(frozen=True)
+class SpecDecodeSpec:
+    """A speculative-decoding proposer."""
+
+    name: str
+    proposer_qualname: str
+    needs_draft_model: bool = False
+
+
+@dataclass(frozen=True)
+class KVConnectorSpec:
+    """A KV connector: one half runs in the scheduler, one in each worker."""
+
+    name: str
+    scheduler_qualname: str
+    worker_qualname: str
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """A namespaced option a plugin adds to the CLI and ``LLM(...)``."""
+
+    name: str
+    type: type = str
+    default: Any = None
+    help: str = ""

@@ -1,0 +1,42 @@
+"""Sampling: turn one step's logits into tokens, honouring each request's SamplingParams."""
+
+from tokenmill.sample.bias import apply_logit_bias, apply_min_tokens
+from tokenmill.sample.logprobs import (
+    LogprobsLists,
+    LogprobsTensors,
+    compute_logprobs,
+    compute_prompt_logprobs,
+    gather_logprobs,
+)
+from tokenmill.sample.metadata import GREEDY_EPS, SamplingMetadata, pad_token_ids
+from tokenmill.sample.ops import (
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
+    exponential_race,
+    random_sample,
+)
+from tokenmill.sample.penalties import apply_penalties, token_counts
+from tokenmill.sample.sampler import Sampler, SamplerOutput
+
+__all__ = [
+    "GREEDY_EPS",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_logit_bias",
+    "apply_min_p",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k_top_p",
+    "compute_logprobs",
+    "compute_prompt_logprobs",
+    "exponential_race",
+    "gather_logprobs",
+    "pad_token_ids",
+    "random_sample",
+    "token_counts",
+]

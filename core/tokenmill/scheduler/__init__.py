@@ -1,0 +1,1 @@
+"""The scheduler: who runs this step, and how many tokens each."""

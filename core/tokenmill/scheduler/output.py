@@ -1,0 +1,69 @@
+"""What the scheduler hands the workers each step: full data for new
+requests, diffs for the ones already in the persistent batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have never seen: everything needed to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers know: only what changed since the last step.
+
+    ``resumed_from_preemption`` means its old blocks are gone and
+    ``new_block_ids`` is its whole block table.
+    """
+
+    req_id: str
+    resumed_from_preemption: bool
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Finished since the last step: workers drop every trace of them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted since the last step: workers drop them from the batch but keep
+    # their state (token ids, seeded generator) for when they resume.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[list[tuple[int, float, int]]] | None = None  # per token: (token, logprob, rank)
+    new_prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    finish_status: int | None = None  # a finished RequestStatus
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_status is not None

@@ -1,0 +1,241 @@
+"""Continuous batching under a token budget.
+
+Each step hands out at most ``max_num_batched_tokens`` tokens to at most
+``max_num_seqs`` requests: running requests first (a decode is one token, an
+unfinished prefill continues in chunks), then waiting ones. There are no
+prefill and decode phases; chunked prefill and mixed batches fall out of the
+budget. When the KV cache runs out, the newest (or lowest-priority) running
+request is preempted and later recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tokenmill.errors import InvalidStateTransition
+from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has handed out so far."""
+
+    budget: int
+    new: list[NewRequestData]
+    cached: list[CachedRequestData]
+    tokens: dict[str, int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: WaitingQueue = QUEUES[config.policy]()
+        self.running: list[Request] = []
+        self._victim_key = preemption_key(config.policy)
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- admission and removal ------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (stop strings, aborts, timeouts).
+
+        Unknown or already finished ids raise :class:`InvalidStateTransition`.
+        """
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                raise InvalidStateTransition(f"request {req_id} is not running or waiting")
+            request.transition(status)
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling -----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {})
+        self._schedule_running(plan)
+        if not self._preempted_ids:
+            self._schedule_waiting(plan)
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new,
+            scheduled_cached_reqs=plan.cached,
+            num_scheduled_tokens=plan.tokens,
+            total_num_scheduled_tokens=sum(plan.tokens.values()),
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids,
+        )
+        self._finished_ids, self._preempted_ids = set(), set()
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:  # the request itself was preempted
+                continue
+            plan.cached.append(
+                CachedRequestData(request.request_id, False, new_blocks.get_block_ids(), request.num_computed_tokens)
+            )
+            plan.tokens[request.request_id] = num_new
+            plan.budget -= num_new
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> KVCacheBlocks | None:
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = max(self.running, key=self._victim_key)
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        if request.request_id in plan.tokens:  # already scheduled this step: take it back
+            plan.budget += plan.tokens.pop(request.request_id)
+            plan.cached = [c for c in plan.cached if c.req_id != request.request_id]
+        self.kv.free(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(request)
+        self._preempted_ids.add(request.request_id)
+        logger.debug("preempted %s (KV cache full)", request.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > plan.budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, plan.budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
+                break
+            self.waiting.pop()
+            self._admit(request, num_computed, num_new, plan)
+
+    def _admit(self, request: Request, num_computed: int, num_new: int, plan: _StepPlan) -> None:
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.transition(RequestStatus.RUNNING)
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        self.running.append(request)
+        block_ids = self.kv.get_block_ids(request.request_id)
+        if resumed:
+            plan.cached.append(CachedRequestData(request.request_id, True, block_ids, num_computed))
+        else:
+            plan.new.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
+                num_computed, request.eos_token_id,
+            ))
+        plan.tokens[request.request_id] = num_new
+        plan.budget -= num_new
+
+    # -- after the model ran ----------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]],
+                           logprobs: dict[str, list[list[tuple[int, float, int]]]] | None = None,
+                           prompt_logprobs: dict[str, list[list[tuple[int, float, int]]]] | None = None,
+                           ) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:  # finished from outside meanwhile
+                continue
+            request.num_computed_tokens += num_tokens
+            new_tokens = sampled.get(req_id, [])
+            status = self._append_and_check(request, new_tokens)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            outputs.append(EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=new_tokens,
+                new_logprobs=(logprobs or {}).get(req_id),
+                new_prompt_logprobs=(prompt_logprobs or {}).get(req_id),
+                finish_status=status,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+            if status is not None:
+                self.running.remove(request)
+                self._release(request)
+        return outputs
+
+    def _append_and_check(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:
+        for token in new_tokens:
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                request.transition(status)
+                return status
+        return None
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions)

@@ -1,0 +1,1 @@
+"""Worker side: the persistent input batch, the model runner, the worker."""

@@ -1,0 +1,46 @@
+"""Building a model from a checkpoint on the chosen device and dtype."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.model_loader.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                progress: bool = False) -> nn.Module:
+    """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
+
+    Every parameter must come from the checkpoint: a missing one is an error,
+    not a silently random weight.
+    """
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(checkpoint.hf_config)
+    weights = checkpoint.weights()
+    if progress:
+        from tqdm import tqdm
+
+        weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
+    with torch.no_grad():
+        loaded = model.load_weights((name, t.to(device)) for name, t in weights)
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint.path} lacks parameters {sorted(missing)[:8]}")
+    return model.eval()

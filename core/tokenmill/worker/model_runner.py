@@ -1,0 +1,166 @@
+"""Runs the model for one scheduled step: update the persistent batch from
+the scheduler's diffs, build inputs, forward, compute logits only where a
+token is sampled, sample, and remember the sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention import AttentionBackend, KVCache
+from tokenmill.layers.attention import Attention
+from tokenmill.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+TokenLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank), the chosen token first
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+                 vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_caches: list[KVCache] = []
+
+    # -- KV cache ----------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for layer in self.attention_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                     torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.bind(self.backend, cache)
+            self.kv_caches.append(cache)
+
+    # -- one step ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
+        inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        output = ModelRunnerOutput()
+        self._prompt_logprobs(inputs, hidden, output)
+        self._sample(inputs, hidden, output)
+        return output
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.batch.remove(req_id)
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                generator=self._generator(params.seed),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
+            )
+            self.requests[new.req_id] = state
+            self.batch.add(state)
+        for cached in so.scheduled_cached_reqs:
+            self._update_cached(cached.req_id, cached.resumed_from_preemption, cached.new_block_ids,
+                                cached.num_computed_tokens)
+
+    def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int) -> None:
+        state = self.requests[req_id]
+        state.num_computed_tokens = num_computed
+        if resumed:
+            state.block_ids = list(new_block_ids)
+            self.batch.add(state)
+            return
+        state.block_ids.extend(new_block_ids)
+        row = self.batch.index_of[req_id]
+        self.batch.append_blocks(row, new_block_ids)
+        self.batch.num_computed_tokens[row] = num_computed
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        sample_rows = inputs.rows[inputs.sample_mask]
+        if len(sample_rows) == 0:
+            return
+        logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_indices).to(self.device)])
+        states = [self.batch.states[r] for r in sample_rows]
+        metadata = SamplingMetadata.from_params(
+            params=[s.sampling_params for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            eos_token_ids=[s.eos_token_id for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        result = self.sampler(logits.float(), metadata)
+        tokens = result.sampled_token_ids.tolist()
+        lists = result.logprobs.tolists() if result.logprobs is not None else None
+        for i, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
+            state.output_token_ids.append(tokens[i])
+            self.batch.append_token(int(row), tokens[i])
+            output.sampled[state.req_id] = [tokens[i]]
+            if lists is not None and state.sampling_params.logprobs is not None:
+                output.logprobs[state.req_id] = [_token_logprobs(lists, i, state.sampling_params.logprobs)]
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        for i, row in enumerate(inputs.rows):
+            state = self.batch.states[row]
+            wanted = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            start = int(inputs.context_lens[i])
+            if wanted is None or start >= num_prompt:
+                continue
+            end = min(start + int(inputs.num_scheduled[i]), num_prompt - 1)
+            if end > start:
+                flat = int(inputs.query_start[i])
+                logits = self.model.compute_logits(hidden[flat : flat + end - start]).float()
+                next_ids = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+                lists = compute_prompt_logprobs(logits, next_ids, wanted).tolists()
+                state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
+            if start + int(inputs.num_scheduled[i]) >= num_prompt:
+                output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+
+def _token_logprobs(lists: Any, index: int, num_logprobs: int) -> TokenLogprobs:
+    """The chosen token with its rank, then the ``num_logprobs`` most likely with theirs."""
+    ids, logprobs, rank = lists.token_ids[index], lists.logprobs[index], lists.ranks[index]
+    entries = [(ids[0], logprobs[0], rank)]
+    entries += [(ids[k], logprobs[k], k) for k in range(1, min(num_logprobs, len(ids) - 1) + 1)]
+    return entries

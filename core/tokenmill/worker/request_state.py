@@ -1,0 +1,27 @@
+"""What the worker remembers about a request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt logprobs gathered so far, for a prompt computed in several chunks
+    prompt_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -1,0 +1,172 @@
+"""The Llama decoder and the family members that differ from it in a flag.
+
+Qwen2 adds a bias to the q/k/v projections; Qwen3 normalises each head of q
+and k; Mistral is Llama with a sliding window, which the config carries.
+q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
+checkpoint's separate tensors into their shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.layers import Attention, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+
+# checkpoint projection name -> (merged parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _head_size(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _sliding_window(config: Any, layer_index: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # transformers 5 says per layer whether it slides
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = _head_size(config)
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config, self.head_size, config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5,
+                              _sliding_window(config, layer_index), layer_index)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(tokens, self.num_heads, self.head_size)
+        k = k.view(tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.contiguous(), metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_index: int, flags: dict[str, bool]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, **flags)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, flags: dict[str, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama, and Mistral (same weights; the sliding window comes from the config)."""
+
+    qkv_bias: ClassVar[bool | None] = None  # None: the config's ``attention_bias``
+    o_bias: ClassVar[bool | None] = None
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        flags = {
+            "qkv_bias": attention_bias if self.qkv_bias is None else self.qkv_bias,
+            "o_bias": attention_bias if self.o_bias is None else self.o_bias,
+            "qk_norm": self.qk_norm,
+        }
+        self.model = LlamaModel(config, flags)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the scheduled tokens."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors (Hugging Face names); returns the parameters loaded."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            owner, _, proj = module_path.rpartition(".")
+            if proj in _STACKED:
+                merged, shard = _STACKED[proj]
+                modules[f"{owner}.{merged}"].load_shard(leaf, tensor, shard)
+                loaded.add(f"{owner}.{merged}.{leaf}")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            else:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

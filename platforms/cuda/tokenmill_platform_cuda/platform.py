@@ -1,0 +1,40 @@
+"""The CUDA platform: one device per process, bfloat16 by default, and a KV
+cache sized from free device memory times ``gpu_memory_utilization``."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import EngineConfig
+
+
+class CudaPlatform:
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device_index = device_index
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def configure_process(self, config: EngineConfig) -> None:
+        torch.cuda.set_device(self.device_index)
+
+    def kv_cache_bytes(self, config: EngineConfig) -> int:
+        """What the utilisation fraction leaves once weights and activations are in."""
+        torch.cuda.synchronize(self.device_index)
+        free, total = torch.cuda.mem_get_info(self.device_index)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        if budget <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
+            )
+        return int(budget)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device_index)

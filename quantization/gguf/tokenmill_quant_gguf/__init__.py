@@ -1,0 +1,29 @@
+"""tokenmill plugin for llama.cpp GGUF checkpoints.
+
+This entry-point module stays import-light (no torch, no gguf): the core only
+reads the spec below, and imports :mod:`tokenmill_quant_gguf.loader` once it
+actually meets a ``.gguf`` file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.hookspecs import hookimpl
+from tokenmill.plugins.specs import QuantMethodSpec
+
+TOKENMILL_PLUGIN_API = 1
+
+GGUF_METHOD = QuantMethodSpec(
+    name="gguf",
+    qualname="tokenmill_quant_gguf.method:GGUFDequantized",
+    checkpoint_aliases=("gguf",),
+    file_suffixes=(".gguf",),
+    loader_qualname="tokenmill_quant_gguf.loader:load_gguf_checkpoint",
+)
+
+
+@hookimpl
+def tokenmill_register_quantization_methods(platform: Any) -> list[QuantMethodSpec]:
+    """GGUF works on every platform: its blocks are dequantised on the CPU at load time."""
+    return [GGUF_METHOD]

@@ -1,0 +1,46 @@
+"""Turning a ``.gguf`` file into a :class:`~tokenmill.model_loader.checkpoint.Checkpoint`."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+
+from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill_quant_gguf.architectures import architecture_of
+from tokenmill_quant_gguf.hf_config import build_hf_config, generation_defaults
+from tokenmill_quant_gguf.metadata import read_metadata
+from tokenmill_quant_gguf.tokenizer import load_gguf_tokenizer
+from tokenmill_quant_gguf.weights import QKLayout, iter_hf_weights
+
+CHECKPOINT_FORMAT = "gguf"
+
+
+def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+    """Config, tokenizer and lazily dequantised weights of a llama-family GGUF file.
+
+    ``weights()`` may be called more than once; each call walks the memory-mapped
+    file again and yields one ``dtype`` tensor at a time under HF names. With no
+    ``output`` tensor in the file, ``hf_config.tie_word_embeddings`` is true and
+    no ``lm_head.weight`` is yielded.
+    """
+    path = Path(path)
+    reader = GGUFReader(path)
+    metadata = read_metadata(reader)
+    arch = architecture_of(metadata)
+    hf_config = build_hf_config(metadata, arch)
+    # The tensor records hold views of the memory map, which keeps the file
+    # mapped; dropping the reader frees its parsed vocabulary arrays.
+    tensors = tuple(reader.tensors)
+    del reader
+    qk_layout = QKLayout(hf_config.num_attention_heads, hf_config.num_key_value_heads) if arch.permuted_qk else None
+    return Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        weights=functools.partial(iter_hf_weights, tensors, dtype, qk_layout),
+        tokenizer=load_gguf_tokenizer(path, metadata),
+        generation_config=generation_defaults(metadata),
+        format=CHECKPOINT_FORMAT,
+    )

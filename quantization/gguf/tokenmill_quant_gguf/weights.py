@@ -1,0 +1,58 @@
+"""Dequantising GGUF tensors into HF-named torch tensors, one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import ReaderTensor
+from gguf.quants import dequantize
+
+from tokenmill.model_loader.checkpoint import WeightsIterator
+from tokenmill_quant_gguf.rope_permute import unpermute_rope_rows
+from tokenmill_quant_gguf.tensor_names import gguf_to_hf_name
+
+
+@dataclass(frozen=True)
+class QKLayout:
+    """Head counts for undoing llama.cpp's q/k row permutation (``None``: nothing to undo)."""
+
+    num_heads: int
+    num_kv_heads: int
+
+    def heads_for(self, hf_name: str) -> int | None:
+        if ".self_attn.q_proj." in hf_name:
+            return self.num_heads
+        if ".self_attn.k_proj." in hf_name:
+            return self.num_kv_heads
+        return None
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float32, in torch dimension order."""
+    values = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    values = values.reshape(shape)
+    if not values.flags.writeable:
+        # F32/F16 tensors come back as views of the read-only memory map.
+        values = np.array(values, copy=True)
+    return torch.from_numpy(values)
+
+
+def iter_hf_weights(tensors: Sequence[ReaderTensor], dtype: torch.dtype, qk_layout: QKLayout | None) -> WeightsIterator:
+    """Yield ``(hf_name, tensor)`` for every tensor, dequantised to ``dtype``.
+
+    Only one dequantised tensor is alive at a time on our side; the quantized
+    bytes stay in the memory-mapped file until read.
+    """
+    for tensor in tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        values = dequantize_tensor(tensor).to(dtype)
+        heads = qk_layout.heads_for(hf_name) if qk_layout is not None else None
+        if heads is not None:
+            values = unpermute_rope_rows(values, heads)
+        yield hf_name, values

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import build_model
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """``model_factory(arch)`` -> folder of a tiny checkpoint, built once per session."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = build_model(tmp_path_factory.mktemp(arch), arch)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_path(model_factory) -> Path:
+    return model_factory("llama")

@@ -1,0 +1,11 @@
+"""Registers the ``ToyLMForCausalLM`` architecture (no torch at import time)."""
+
+from tokenmill.hookspecs import hookimpl
+from tokenmill.plugins.specs import ModelSpec
+
+TOKENMILL_PLUGIN_API = 1
+
+
+@hookimpl
+def tokenmill_register_models() -> dict[str, ModelSpec]:
+    return {"ToyLMForCausalLM": ModelSpec("tokenmill_example_toy.model:ToyLMForCausalLM")}
