@@ -42,3 +42,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    embedding: list[float] | None = None  # set for pooling (embedding) requests

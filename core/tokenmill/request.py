@@ -77,6 +77,7 @@ class Request:
     mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, length, hash)
     cache_salt: str | None = None
     max_tokens: int = 16  # the effective limit, max_model_len included
+    pooling: str | None = None  # "last" or "mean": an embedding request, prefill only
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -106,6 +107,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Prompt logprobs and mean pooling need every prompt position computed: no prefix-cache hit."""
+        return self.sampling_params.prompt_logprobs is not None or self.pooling is not None
 
     def transition(self, new: RequestStatus) -> None:
         """Move to ``new``; raises :class:`InvalidStateTransition` if not allowed."""

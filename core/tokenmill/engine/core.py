@@ -75,8 +75,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled, runner_output.logprobs,
-                                                 runner_output.prompt_logprobs)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -12,6 +12,7 @@ from tokenmill.sampling_params import SamplingParams
 
 # A text prompt, or vLLM's dict forms: {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
+POOLING_TYPES = ("last", "mean")
 
 
 @dataclass
@@ -31,6 +32,8 @@ class InputProcessor:
         self.extra_stop_token_ids = extra_stop_token_ids
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if prompt == "" or (isinstance(prompt, Mapping) and prompt.get("prompt") == ""):
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if isinstance(prompt, str):
             processed = ProcessedPrompt(prompt, self._encode(prompt))
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -60,6 +63,13 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
                                       param="prompt")
+
+    def make_pooling_request(self, request_id: str, prompt: ProcessedPrompt, pooling: str) -> Request:
+        if pooling not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling must be one of {POOLING_TYPES}, got {pooling!r}", param="pooling")
+        return Request(request_id=RequestId(request_id), prompt_token_ids=prompt.token_ids,
+                       sampling_params=SamplingParams(max_tokens=1), pooling=pooling, max_tokens=1,
+                       cache_salt=prompt.cache_salt)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, lora_name: str | None = None) -> list[Request]:

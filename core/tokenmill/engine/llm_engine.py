@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor, PromptType
+from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidStateTransition
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
-from tokenmill.request import RequestStatus
+from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request (its ``n`` samples as core requests), ready to queue."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    requests: list[Request]
 
 
 class LLMEngine:
@@ -38,16 +48,29 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
+    def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                        priority: int = 0, pooling: str | None = None) -> PreparedRequest:
+        """Tokenize and validate; raises ``InvalidRequestError``. Touches no engine state,
+        so a front end may call it from any thread. ``pooling`` makes it an embedding request."""
+        processed = self.input_processor.process_prompt(prompt)
+        if pooling is not None:
+            requests = [self.input_processor.make_pooling_request(request_id, processed, pooling)]
+        else:
+            requests = self.input_processor.make_requests(request_id, processed, params or SamplingParams(),
+                                                          priority)
+        return PreparedRequest(request_id, processed, requests)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        if self.output_processor.has_request(prepared.request_id):
+            raise ValueError(f"request id {prepared.request_id!r} is already running")
+        self.output_processor.add_request(prepared.request_id, prepared.prompt.text, prepared.prompt.token_ids,
+                                          [(r.request_id, r.sampling_params) for r in prepared.requests])
+        for request in prepared.requests:
+            self.core.add_request(request)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
         """Validate and queue one request; raises ``InvalidRequestError`` and queues nothing if it is bad."""
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already running")
-        processed = self.input_processor.process_prompt(prompt)
-        requests = self.input_processor.make_requests(request_id, processed, params, priority)
-        self.output_processor.add_request(request_id, processed.text, processed.token_ids,
-                                          [(r.request_id, r.sampling_params) for r in requests])
-        for request in requests:
-            self.core.add_request(request)
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority))
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       error: str | None = None) -> RequestOutput | None:

@@ -40,6 +40,7 @@ class _Parent:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,7 +49,7 @@ class _Parent:
     def output(self) -> RequestOutput:
         completions = [s.completion() for s in sorted(self.samples.values(), key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.prompt_logprobs, self.num_cached_tokens, self.error)
+                             self.prompt_logprobs, self.num_cached_tokens, self.error, embedding=self.embedding)
 
 
 class OutputProcessor:
@@ -114,6 +115,8 @@ class OutputProcessor:
 
     def _update_sample(self, parent: _Parent, sample: _Sample, out: EngineCoreOutput) -> bool:
         parent.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            parent.embedding = out.pooled
         if out.new_prompt_logprobs is not None:
             parent.prompt_logprobs = [None] + [self._logprob_dict(e) for e in out.new_prompt_logprobs]
         sample.token_ids.extend(out.new_token_ids)

@@ -51,6 +51,16 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Embed each prompt: the final hidden state of its last token (``last``) or the mean over its tokens."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prepared = [self.engine.prepare_request(self.engine.next_request_id(), p, None, pooling=pooling)
+                    for p in prompt_list]
+        for request in prepared:
+            self.engine.add_prepared(request)
+        return self._run([p.request_id for p in prepared], use_tqdm)
+
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,

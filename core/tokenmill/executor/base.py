@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from tokenmill.scheduler.output import SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunnerOutput
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
 from tokenmill.platform import Platform
-from tokenmill.scheduler.output import SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.worker import create_model_runner
 
 

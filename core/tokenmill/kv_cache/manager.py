@@ -96,7 +96,7 @@ class KVCacheManager:
         Takes no references: pass the result to ``allocate_slots`` right
         away, before allocating for anyone else, or the hit may be evicted.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.needs_every_position:
             # Prompt logprobs need the logits of every prompt token, so a hit
             # would skip work we actually need.
             return KVCacheBlocks.empty(), 0

@@ -18,6 +18,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    pooling: str | None = None
 
 
 @dataclass
@@ -51,6 +52,19 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+TokenLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank), the chosen token first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the workers send back for one step."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+
+
 @dataclass
 class EngineCoreOutput:
     """One request's progress in one step."""
@@ -63,6 +77,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    pooled: list[float] | None = None  # the embedding of a pooling request
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
+    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
@@ -183,15 +184,13 @@ class Scheduler:
         else:
             plan.new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
-                num_computed, request.eos_token_id,
+                num_computed, request.eos_token_id, request.pooling,
             ))
         plan.tokens[request.request_id] = num_new
         plan.budget -= num_new
 
     # -- after the model ran ----------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]],
-                           logprobs: dict[str, list[list[tuple[int, float, int]]]] | None = None,
-                           prompt_logprobs: dict[str, list[list[tuple[int, float, int]]]] | None = None,
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            ) -> list[EngineCoreOutput]:
         outputs = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -199,17 +198,21 @@ class Scheduler:
             if request is None or request.is_finished:  # finished from outside meanwhile
                 continue
             request.num_computed_tokens += num_tokens
-            new_tokens = sampled.get(req_id, [])
+            new_tokens = runner_output.sampled.get(req_id, [])
+            pooled = runner_output.pooled.get(req_id)
             status = self._append_and_check(request, new_tokens)
+            if pooled is not None:
+                request.transition(status := RequestStatus.FINISHED_STOPPED)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=new_tokens,
-                new_logprobs=(logprobs or {}).get(req_id),
-                new_prompt_logprobs=(prompt_logprobs or {}).get(req_id),
+                new_logprobs=runner_output.logprobs.get(req_id),
+                new_prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                 finish_status=status,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                pooled=pooled,
             ))
             if status is not None:
                 self.running.remove(request)

@@ -5,31 +5,21 @@ token is sampled, sample, and remember the sampled tokens."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
 from tokenmill.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
-from tokenmill.scheduler.output import SchedulerOutput
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
-
-TokenLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank), the chosen token first
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
@@ -71,6 +61,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
+        self._pool(inputs, hidden, output)
         self._sample(inputs, hidden, output)
         return output
 
@@ -90,6 +81,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
+                pooling=new.pooling,
             )
             self.requests[new.req_id] = state
             self.batch.add(state)
@@ -102,6 +94,7 @@ class ModelRunner:
         state.num_computed_tokens = num_computed
         if resumed:
             state.block_ids = list(new_block_ids)
+            state.pooled_sum = None  # recomputed from the first token
             self.batch.add(state)
             return
         state.block_ids.extend(new_block_ids)
@@ -115,10 +108,13 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        sample_rows = inputs.rows[inputs.sample_mask]
+        generative = np.array([self.batch.states[r].pooling is None for r in inputs.rows], dtype=bool)
+        mask = inputs.sample_mask & generative
+        sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return
-        logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_indices).to(self.device)])
+        indices = inputs.query_start[1:][mask] - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(indices).to(self.device)])
         states = [self.batch.states[r] for r in sample_rows]
         metadata = SamplingMetadata.from_params(
             params=[s.sampling_params for s in states],
@@ -138,6 +134,24 @@ class ModelRunner:
             output.sampled[state.req_id] = [tokens[i]]
             if lists is not None and state.sampling_params.logprobs is not None:
                 output.logprobs[state.req_id] = [_token_logprobs(lists, i, state.sampling_params.logprobs)]
+
+    def _pool(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Embeddings: the last prompt position's final hidden state, or the mean over the prompt.
+
+        A prompt may arrive in chunks, so mean pooling keeps a running sum.
+        """
+        for i, row in enumerate(inputs.rows):
+            state = self.batch.states[row]
+            if state.pooling is None:
+                continue
+            start, end = int(inputs.query_start[i]), int(inputs.query_start[i + 1])
+            if state.pooling == "mean":
+                chunk_sum = hidden[start:end].float().sum(0)
+                state.pooled_sum = chunk_sum if state.pooled_sum is None else state.pooled_sum + chunk_sum
+            if inputs.sample_mask[i]:
+                vector = (state.pooled_sum / len(state.prompt_token_ids) if state.pooling == "mean"
+                          else hidden[end - 1].float())
+                output.pooled[state.req_id] = vector.tolist()
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         for i, row in enumerate(inputs.rows):

@@ -22,11 +22,6 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
 
-    @property
-    def logits_indices(self) -> np.ndarray:
-        """Flat index of the last scheduled token of each sampling row."""
-        return self.query_start[1:][self.sample_mask] - 1
-
 
 def build_step_inputs(batch: InputBatch, num_scheduled_by_id: dict[str, int], device: torch.device) -> StepInputs:
     rows = np.array(sorted(batch.index_of[r] for r in num_scheduled_by_id), dtype=np.int64)

@@ -327,3 +327,16 @@ def test_weights_come_in_the_requested_dtype(tmp_path: Path) -> None:
     for name, tensor in load_gguf_checkpoint(path, torch.bfloat16).weights():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
+
+
+def test_split_gguf_shard_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model-00001-of-00002.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="shard 1 of 2"):
+        load_gguf_checkpoint(path, torch.float32)

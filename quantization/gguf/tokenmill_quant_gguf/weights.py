@@ -17,7 +17,10 @@ from tokenmill_quant_gguf.tensor_names import gguf_to_hf_name
 
 @dataclass(frozen=True)
 class QKLayout:
-    """Head counts for undoing llama.cpp's q/k row permutation (``None``: nothing to undo)."""
+    """Head counts for undoing llama.cpp's q/k row permutation.
+
+    Loaders pass ``None`` instead for architectures llama.cpp does not permute.
+    """
 
     num_heads: int
     num_kv_heads: int
