@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
-from tokenmill import AsyncLLM, InvalidRequestError, InvalidStateTransition, LLM, SamplingParams
+from tokenmill import LLM, AsyncLLM, InvalidRequestError, InvalidStateTransition, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_stream_is_cumulative_and_matches_offline(engine, llama_path):
     outputs = asyncio.run(_collect(engine, prompt, params))
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     tokens = [o.outputs[0].token_ids for o in outputs]
-    assert all(a == b[: len(a)] for a, b in zip(tokens, tokens[1:], strict=False))
+    assert all(a == b[: len(a)] for a, b in itertools.pairwise(tokens))
     offline = LLM(str(llama_path), max_model_len=128, kv_cache_memory="16MiB").generate(prompt, params)
     assert tokens[-1] == offline[0].outputs[0].token_ids
 

@@ -133,7 +133,7 @@ class AsyncLLM:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
-        except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
+        except BaseException as exc:
             logger.exception("engine loop died")
             self._dead = exc
             for stream in list(self._streams.values()):
