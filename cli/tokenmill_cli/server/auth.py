@@ -1,0 +1,36 @@
+"""API-key check: ``Authorization: Bearer <key>`` on every route but ``/health``.
+
+A plain ASGI middleware rather than a FastAPI dependency, so it also guards
+``/openapi.json``, ``/docs`` and unknown paths, and never wraps streamed
+bodies (``BaseHTTPMiddleware`` would, and would hide client disconnects).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill_cli.server.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                  code="invalid_api_key")
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return secrets.compare_digest(value, self._expected)  # constant time: no timing oracle
+        return False

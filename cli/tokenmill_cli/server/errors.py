@@ -1,0 +1,146 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every client mistake maps to a 4xx naming the parameter at fault; only
+an engine failure is a 5xx. The handlers here are the single place where
+exceptions become HTTP answers.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill_cli.server.responses import ErrorInfo, ErrorResponse
+
+_MAX_REPORTED_ERRORS = 3
+
+
+class APIError(Exception):
+    """An HTTP answer other than success, raised anywhere in a handler."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _error_type(status)
+
+
+def _error_type(status: int) -> str:
+    """OpenAI's type names: client errors are ``invalid_request_error``, ours ``server_error``."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               type: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type or _error_type(status), param=param, code=code))
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type: str | None = None) -> JSONResponse:
+    body = error_body(status, message, param, code, type)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(InvalidRequestError, _invalid_request)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.type)
+
+
+async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidRequestError)
+    return error_response(400, str(exc), exc.param)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = describe_validation_errors(list(exc.errors()))
+    return error_response(400, message, param)
+
+
+async def _http_exception(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(exc.status_code, str(exc.detail) or HTTPStatus(exc.status_code).phrase)
+
+
+async def _engine_dead(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, str(exc), code="engine_dead")
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises after sending this, so uvicorn logs the traceback once.
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A readable message and the top-level request field at fault, from pydantic's errors."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    own = first.get("ctx", {}).get("error")
+    if isinstance(own, InvalidRequestError):  # raised by one of our cross-field validators
+        return str(own), own.param
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return "the request body is missing or is not a JSON object", None
+    parts = [f"{_path(e.get('loc', ()))}: {e.get('msg')}" for e in errors[:_MAX_REPORTED_ERRORS]]
+    return "; ".join(parts), str(loc[0])
+
+
+def _path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``('body', 'messages', 0, 'role')`` -> ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+# For the OpenAPI schema: the error answers every inference endpoint may give.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "an invalid parameter, named in `error.param`"},
+    401: {"model": ErrorResponse, "description": "a missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "an unknown model"},
+}
+
+
+def exception_body(exc: BaseException) -> ErrorResponse:
+    """The error body for an exception met after a stream has started (its status is already sent)."""
+    if isinstance(exc, APIError):
+        return error_body(exc.status, exc.message, exc.param, exc.code, exc.type)
+    if isinstance(exc, InvalidRequestError):
+        return error_body(400, str(exc), exc.param)
+    if isinstance(exc, EngineDeadError):
+        return error_body(503, str(exc), code="engine_dead")
+    return error_body(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def output_error(error: str | None, finish_reason: str | None) -> APIError | None:
+    """A request the engine ended with an error, as the error to answer with."""
+    if error is None and finish_reason != "error":
+        return None
+    return APIError(500, f"the engine failed this request: {error or 'unknown error'}")

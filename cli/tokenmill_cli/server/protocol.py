@@ -1,0 +1,142 @@
+"""Request bodies, with OpenAI's field names (plus vLLM's sampling extras).
+
+Unknown fields are ignored, as OpenAI's own server does, so a newer client
+keeps working. Ranges OpenAI documents are checked here (a 400 naming the
+field); the rest is checked by ``SamplingParams``. Cross-field checks raise
+``InvalidRequestError`` so the 400 names the field even though pydantic
+reports them on the whole body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenmill.errors import InvalidRequestError
+
+# A completion prompt: text, a batch of texts, token ids, or a batch of token id lists.
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = Field(None, description="a served model name; omitted: the first one")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="send a last chunk with token counts")
+
+
+class SamplingFields(_Request):
+    """The sampling and stopping fields completions and chat share."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128, description="samples per prompt")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
+    seed: int | None = Field(None, description="per-request seed: the same seed gives the same text")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="text, texts, token ids or lists of token ids")
+    max_tokens: int | None = Field(16, ge=1, description="most tokens to generate; null: up to the context")
+    logprobs: int | None = Field(None, ge=0, le=20, description="logprobs of the chosen and this many likeliest tokens")
+    echo: bool = Field(False, description="return the prompt before the completion")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are understood by text models."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class _ChatRendering(BaseModel):
+    """How messages become a prompt; shared by chat and /tokenize."""
+
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(False, description="let the model continue the last (assistant) message")
+    chat_template: str | None = Field(None, description="a Jinja template for this request only")
+    tools: list[dict[str, Any]] | None = Field(None, description="tool definitions, handed to the chat template")
+
+
+class ChatCompletionRequest(SamplingFields, _ChatRendering):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tool_choice: Any = Field(None, description="accepted for compatibility; tool calls are not parsed yet")
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return self
+
+
+class EmbeddingRequest(_Request):
+    input: Prompt = Field(description="text, texts, token ids or lists of token ids")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="not supported: embeddings have the model's width")
+    user: str | None = None
+    pooling: Literal["last", "mean"] = Field("last", description="last token's hidden state, or the mean of all")
+
+
+class TokenizeRequest(_Request, _ChatRendering):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="for `prompt`: add the tokenizer's BOS/EOS")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[int]

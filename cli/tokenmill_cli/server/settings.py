@@ -1,0 +1,34 @@
+"""What the server knows besides the engine: names, the key, the chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
+
+    served_model_names: list[str] = Field(min_length=1, description="names a request's `model` may use; the first "
+                                                                    "is the one responses report")
+    model_root: str = Field(description="the checkpoint the names stand for (shown in /v1/models)")
+    api_key: str | None = Field(None, description="when set, every route but /health needs `Bearer <key>`")
+    chat_template: str | None = Field(None, description="overrides the tokenizer's chat template")
+
+    @property
+    def default_model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` takes a file or the template text itself, as vLLM's does."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    looks_like_path = "{" not in value and len(value) < 4096
+    if looks_like_path and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if looks_like_path and path.suffix in {".jinja", ".j2", ".txt"}:
+        raise FileNotFoundError(f"chat template file not found: {value}")
+    return value

@@ -1,0 +1,39 @@
+"""What every handler needs: the engine and the server settings, stored on the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, Request
+
+from tokenmill_cli.server.errors import model_not_found
+from tokenmill_cli.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.async_llm import AsyncLLM
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    settings: ServerSettings
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; a name this server does not serve is a 404."""
+        if requested is None:
+            return self.settings.default_model_name
+        if requested not in self.settings.served_model_names:
+            raise model_not_found(requested)
+        return requested
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(get_state)]

@@ -1,0 +1,53 @@
+"""The CPU platform: cores from affinity and cgroup quota, KV budget, threads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill_platform_cpu.cores import cgroup_quota_cores, usable_cores
+from tokenmill_platform_cpu.platform import CpuPlatform
+
+
+def test_cgroup_v2_quota_caps_the_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_quota_cores(tmp_path) == 1.5
+    assert usable_cores(tmp_path) == 1
+
+
+def test_cgroup_v2_without_a_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_quota_cores(tmp_path) is None
+    assert usable_cores(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_cgroup_v1_quota(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_quota_cores(tmp_path) == 4.0
+    assert usable_cores(tmp_path) == min(4, len(os.sched_getaffinity(0)))
+
+
+def test_affinity_limits_the_cores(tmp_path):
+    original = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(original)})
+        assert usable_cores(tmp_path) == 1
+    finally:
+        os.sched_setaffinity(0, original)
+
+
+def test_threads_and_kv_budget():
+    platform = CpuPlatform()
+    before = torch.get_num_threads()
+    try:
+        platform.configure_process(EngineConfig(num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert platform.kv_cache_bytes(EngineConfig(kv_cache_memory="3MiB")) == 3 << 20
+    assert 0 < platform.kv_cache_bytes(EngineConfig()) <= 1 << 30
+    assert platform.default_dtype() == torch.float32
