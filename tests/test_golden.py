@@ -10,7 +10,8 @@ from tiny_models import hf_greedy
 from tokenmill import LLM, SamplingParams
 
 MAX_NEW = 12
-ARCHS = ["llama", "llama-tied-llama3rope", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama-tied-llama3rope", "llama-yarn", "llama-linear-rope", "llama-dynamic-rope",
+         "mistral", "qwen2", "qwen3"]
 
 
 def _prompts(seed: int, count: int = 8, shared_prefix: int = 0) -> list[list[int]]:

@@ -63,6 +63,16 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     }),
+    "llama-yarn": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64},
+    }),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    }),
+    "llama-dynamic-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    }),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
