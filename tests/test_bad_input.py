@@ -35,7 +35,7 @@ def test_empty_prompt(llm, prompt):
 
 
 def test_prompt_longer_than_max_model_len(llm):
-    with pytest.raises(InvalidRequestError, match="64 tokens.*max_model_len"):
+    with pytest.raises(InvalidRequestError, match=r"64 tokens.*max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 64})
     _ok(llm)
 
@@ -77,7 +77,7 @@ def test_unknown_architecture(llama_path, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="NoSuchModelForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"NoSuchModelForCausalLM.*LlamaForCausalLM"):
         LLM(str(tmp_path), max_model_len=64)
 
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_models import build_tokenizer, hf_greedy
+
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 33, 8, 91, 4], [120, 7, 7, 300, 41, 2, 99, 14, 250, 11, 12]]

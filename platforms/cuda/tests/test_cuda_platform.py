@@ -21,6 +21,7 @@ def test_detection_matches_torch():
 @gpu
 def test_engine_on_cuda_matches_transformers_greedy(llama_path):
     from tiny_models import hf_greedy
+
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(str(llama_path), dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
