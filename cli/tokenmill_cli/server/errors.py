@@ -102,10 +102,10 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     if isinstance(own, InvalidRequestError):  # raised by one of our cross-field validators
         return str(own), own.param
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg')}", None
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if not loc:
-        return "the request body is missing or is not a JSON object", None
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
     parts = [f"{_path(e.get('loc', ()))}: {e.get('msg')}" for e in errors[:_MAX_REPORTED_ERRORS]]
     return "; ".join(parts), str(loc[0])
 

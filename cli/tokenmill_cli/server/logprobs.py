@@ -18,6 +18,12 @@ _FLOOR = -9999.0
 TokenLogprobs = dict[int, Logprob] | None
 
 
+def padded_logprobs(logprobs: Sequence[TokenLogprobs] | None, length: int) -> list[TokenLogprobs]:
+    """Exactly ``length`` entries: positions the engine gave nothing for (the first prompt token) are None."""
+    entries = list(logprobs or [])[-length:] if length else []
+    return [None] * (length - len(entries)) + entries
+
+
 def _value(logprob: float) -> float:
     return max(logprob, _FLOOR)
 
@@ -42,9 +48,16 @@ def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequ
         out.text_offset.append(text_offset)
         text_offset += len(token)
         out.token_logprobs.append(None if chosen is None else _value(chosen.logprob))
-        out.top_logprobs.append(None if not entry else {
-            _text(tokenizer, t, lp): _value(lp.logprob) for t, lp in entry.items()})
+        out.top_logprobs.append(None if not entry else _top_dict(tokenizer, entry))
     return out
+
+
+def _top_dict(tokenizer: Any, entry: dict[int, Logprob]) -> dict[str, float]:
+    """Keyed by token text: tokens that decode alike (partial UTF-8 bytes all read "\ufffd") keep the likeliest."""
+    top: dict[str, float] = {}
+    for token_id, logprob in sorted(entry.items(), key=lambda item: -item[1].logprob):
+        top.setdefault(_text(tokenizer, token_id, logprob), _value(logprob.logprob))
+    return top
 
 
 def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:

@@ -24,6 +24,31 @@ class _Request(BaseModel):
 
     model: str | None = Field(None, description="a served model name; omitted: the first one")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        """JSON may escape a lone surrogate (``"\\ud800"``); no tokenizer can encode one."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if not _encodable(value):
+                    raise InvalidRequestError(f"{key} holds text that is not valid Unicode (a lone surrogate)",
+                                              param=str(key))
+        return data
+
+
+def _encodable(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    return True
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="send a last chunk with token counts")
@@ -36,7 +61,8 @@ class SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128, description="samples per prompt")
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
-    seed: int | None = Field(None, description="per-request seed: the same seed gives the same text")
+    # int64, as OpenAI documents it (and as torch's generators take it)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="the same seed gives the same text")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
@@ -70,6 +96,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1, description="most tokens to generate; null: up to the context")
     logprobs: int | None = Field(None, ge=0, le=20, description="logprobs of the chosen and this many likeliest tokens")
     echo: bool = Field(False, description="return the prompt before the completion")
+    suffix: str | None = Field(None, description="not supported (insertion); only null or empty is accepted")
+
+    @model_validator(mode="after")
+    def _check_suffix(self) -> CompletionRequest:
+        if self.suffix:  # refused rather than ignored: the answer would silently not be what was asked
+            raise InvalidRequestError("suffix (text insertion) is not supported", param="suffix")
+        return self
 
 
 class ContentPart(BaseModel):
@@ -94,7 +127,7 @@ class ChatMessage(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-class _ChatRendering(BaseModel):
+class ChatRendering(BaseModel):
     """How messages become a prompt; shared by chat and /tokenize."""
 
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
@@ -103,18 +136,22 @@ class _ChatRendering(BaseModel):
     tools: list[dict[str, Any]] | None = Field(None, description="tool definitions, handed to the chat template")
 
 
-class ChatCompletionRequest(SamplingFields, _ChatRendering):
+class ChatCompletionRequest(SamplingFields, ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: Any = Field(None, description="accepted for compatibility; tool calls are not parsed yet")
+    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} for now")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            # refused rather than ignored: a client asking for JSON must not silently get free text
+            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
         return self
 
 
@@ -126,7 +163,7 @@ class EmbeddingRequest(_Request):
     pooling: Literal["last", "mean"] = Field("last", description="last token's hidden state, or the mean of all")
 
 
-class TokenizeRequest(_Request, _ChatRendering):
+class TokenizeRequest(_Request, ChatRendering):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="for `prompt`: add the tokenizer's BOS/EOS")

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from tokenmill.outputs import RequestOutput
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -32,6 +34,13 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+
+
+def usage_of(outputs: list[RequestOutput]) -> Usage:
+    """Token counts over finished (or latest) outputs, every sample counted."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 # -- completions ---------------------------------------------------------------
@@ -169,3 +178,4 @@ class EngineStats(BaseModel):
     unfinished: int = Field(description="requests the front end still tracks (samples counted once)")
     kv_blocks_free: int
     kv_blocks_total: int
+    client_disconnects: int = Field(description="requests ended early because their client went away")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class ServerState:
     engine: AsyncLLM
     settings: ServerSettings
+    client_disconnects: int = 0  # requests whose client left before the answer was complete
 
     @property
     def tokenizer(self) -> Any:
@@ -37,3 +38,7 @@ def get_state(request: Request) -> ServerState:
 
 
 State = Annotated[ServerState, Depends(get_state)]
+
+
+def note_disconnect(request: Request) -> None:
+    get_state(request).client_disconnects += 1

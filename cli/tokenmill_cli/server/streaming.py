@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill_cli.server.state import note_disconnect
 
 T = TypeVar("T")
 
@@ -39,16 +40,25 @@ class SSEResponse(StreamingResponse):
     is simply dropped; ``on_close`` releases the engine requests either way.
     """
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, request: Request, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
         # no-cache and no proxy buffering: each event must reach the client when it is made
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                        "X-Accel-Buffering": "no"})
+        super().__init__(self._tracked(body), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._request = request
         self._on_close = on_close
+        self._complete = False
+
+    async def _tracked(self, body: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for event in body:
+            yield event
+        self._complete = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self._complete:
+                note_disconnect(self._request)
             await self._on_close()
 
 
@@ -78,6 +88,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Respon
         watcher.cancel()
     if task.done():
         return task.result()
+    note_disconnect(request)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -88,7 +99,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Respon
 _END = object()
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as ``(index, item)``; an error in one ends all.
 
     Each source runs in its own task, so closing the merged stream (or its
@@ -148,6 +159,7 @@ class DeltaTracker:
     holdback: int = 0  # longest stop string - 1: a match may start that far back
     sent_chars: int = 0
     sent_tokens: int = 0
+    started: bool = False  # a chunk has been sent
     finished: bool = False
 
     def advance(self, output: CompletionOutput) -> Delta | None:
@@ -161,6 +173,7 @@ class DeltaTracker:
             return None  # new tokens whose text is held back ride with the next chunk
         delta = Delta(text, self.sent_tokens, len(output.token_ids), output.finish_reason, output.stop_reason)
         self.sent_chars, self.sent_tokens, self.finished = visible, len(output.token_ids), finished
+        self.started = True
         return delta
 
 

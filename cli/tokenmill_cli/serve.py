@@ -1,0 +1,110 @@
+"""``tokenmill serve``: an OpenAI-compatible HTTP server over one model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tokenmill_cli.engine_options import (
+    AttentionBackend,
+    BlockSize,
+    Dtype,
+    GPUMemoryUtilization,
+    KVCacheMemory,
+    MaxModelLen,
+    MaxNumBatchedTokens,
+    MaxNumSeqs,
+    Model,
+    PrefixCaching,
+    Seed,
+    StrictPlugins,
+    engine_kwargs,
+)
+
+_SERVER = "Server"
+_ENGINE = "Engine"
+
+logger = logging.getLogger(__name__)
+
+
+def serve(
+    model: Model = None,
+    host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface",
+                                      rich_help_panel=_SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on", rich_help_panel=_SERVER)] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="TOKENMILL_API_KEY", show_envvar=True,
+                                                help="Require `Authorization: Bearer KEY` (all routes but /health)",
+                                                rich_help_panel=_SERVER)] = None,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="Name(s) clients use as `model` (repeatable) [default: the model argument]",
+        rich_help_panel=_SERVER)] = None,
+    chat_template: Annotated[str | None, typer.Option(help="Chat template: a Jinja file or the template text",
+                                                      rich_help_panel=_SERVER)] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error", rich_help_panel=_SERVER)] = "info",
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = 64,
+    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
+    enable_chunked_prefill: Annotated[bool, typer.Option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps",
+        rich_help_panel=_ENGINE)] = True,
+    scheduling_policy: Annotated[str, typer.Option(help="fcfs, or priority (the request's `priority` field)",
+                                                   rich_help_panel=_ENGINE)] = "fcfs",
+    enable_prefix_caching: PrefixCaching = True,
+    kv_cache_memory: KVCacheMemory = None,
+    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
+    block_size: BlockSize = 16,
+    seed: Seed = 0,
+    attention_backend: AttentionBackend = None,
+    strict_plugins: StrictPlugins = False,
+) -> None:
+    from tokenmill import AsyncLLM, TokenmillError
+    from tokenmill_cli.server.settings import load_chat_template
+
+    _configure_logging(log_level)
+    try:
+        template = load_chat_template(chat_template)
+        engine = AsyncLLM(model, **engine_kwargs(
+            dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size, seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins))
+    except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    _run(engine, model, host, port, api_key, served_model_name, template, log_level)
+
+
+def _run(engine: Any, model: str | None, host: str, port: int, api_key: str | None,
+         served_model_name: list[str] | None, chat_template: str | None, log_level: str) -> None:
+    import uvicorn
+
+    from tokenmill_cli.server import ServerSettings, build_app
+
+    checkpoint_path = Path(engine.engine.core.checkpoint.path)
+    settings = ServerSettings(
+        served_model_names=served_model_name or [model or default_served_name(checkpoint_path)],
+        model_root=str(checkpoint_path), api_key=api_key or None, chat_template=chat_template)
+    app = build_app(engine, settings)
+    logger.info("serving %s as %s on http://%s:%d/v1", checkpoint_path, ", ".join(settings.served_model_names),
+                host, port)
+    # uvicorn runs the app's lifespan, whose exit shuts the engine down
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
+                access_log=log_level.lower() in {"debug", "info"})
+
+
+def default_served_name(checkpoint_path: Path) -> str:
+    """The default model's name: its file name without the extension, e.g. ``SmolLM2-135M-Instruct.Q4_1``."""
+    return checkpoint_path.stem if checkpoint_path.is_file() else checkpoint_path.name
+
+
+def _configure_logging(level: str) -> None:
+    level_name = level.upper()
+    if level_name not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise typer.BadParameter(f"unknown log level {level!r}", param_hint="--log-level")
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level_name)

@@ -1,0 +1,41 @@
+"""The FastAPI application: routers, error handlers, the API key, the engine's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+
+import tokenmill
+from tokenmill_cli.server import chat, completions, embeddings, health, models, tokenization
+from tokenmill_cli.server.auth import APIKeyMiddleware
+from tokenmill_cli.server.errors import install_error_handlers
+from tokenmill_cli.server.settings import ServerSettings
+from tokenmill_cli.server.state import ServerState
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.async_llm import AsyncLLM
+
+ROUTERS = (models.router, completions.router, chat.router, embeddings.router, tokenization.router, health.router)
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool = True) -> FastAPI:
+    """An app serving ``engine``; with ``shutdown_engine`` the engine stops when the app does."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if shutdown_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible API over a tokenmill engine.")
+    app.state.server = ServerState(engine, settings)
+    for router in ROUTERS:
+        app.include_router(router)
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app

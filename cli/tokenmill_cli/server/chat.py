@@ -1,0 +1,149 @@
+"""``POST /v1/chat/completions``: messages through the chat template, a reply out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from tokenmill.entrypoints.chat import render_chat
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill_cli.server.errors import ERROR_RESPONSES, exception_body, output_error
+from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs
+from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
+from tokenmill_cli.server.responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    new_id,
+    usage_of,
+)
+from tokenmill_cli.server.sampling import chat_sampling_params
+from tokenmill_cli.server.state import ServerState, State
+from tokenmill_cli.server.streaming import (
+    DONE,
+    DeltaTracker,
+    SSEResponse,
+    last_outputs,
+    merge_streams,
+    sse_event,
+    stop_holdback,
+    until_disconnected,
+)
+
+router = APIRouter(tags=["chat"])
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State) -> Response:
+    return await until_disconnected(request, _serve(body, state, request))
+
+
+def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering) -> list[int]:
+    """Render the messages with the request's, the server's or the model's template, and tokenize."""
+    add_generation_prompt = rendering.add_generation_prompt
+    if rendering.continue_final_message and "add_generation_prompt" not in rendering.model_fields_set:
+        add_generation_prompt = False  # continuing the last message: no new turn, unless asked for explicitly
+    text = render_chat(state.tokenizer, [m.for_template() for m in messages],
+                       rendering.chat_template or state.settings.chat_template, add_generation_prompt,
+                       rendering.continue_final_message, rendering.tools)
+    # the template writes the special tokens (BOS) itself: do not add them twice
+    return list(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _serve(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
+    model = state.model_name(body.model)
+    params = chat_sampling_params(body)
+    prompt_ids = chat_prompt_ids(state, body.messages, body)
+    if len(prompt_ids) >= state.engine.max_model_len:
+        raise InvalidRequestError(
+            f"the messages take {len(prompt_ids)} tokens, which leaves no room to generate within the model's "
+            f"context of {state.engine.max_model_len} tokens (max_model_len)", param="messages")
+    request_id = new_id("chatcmpl")
+    generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
+                                       priority=body.priority)
+    merged = merge_streams([generation])
+    view = _View(body, params, state.tokenizer)
+    if body.stream:
+        first = await anext(merged)  # input errors surface here, before the 200
+        stream = _Stream(request_id, model, view)
+        return SSEResponse(request, stream.events(first[1], merged), on_close=merged.aclose)
+    (final,) = await last_outputs(merged, 1)
+    for sample in final.outputs:
+        if (error := output_error(final.error, sample.finish_reason)) is not None:
+            raise error
+    choices = [ChatChoice(index=s.index, message=ChatResponseMessage(content=s.text),
+                          logprobs=view.logprobs(s, 0, len(s.token_ids)), finish_reason=s.finish_reason,
+                          stop_reason=s.stop_reason) for s in final.outputs]
+    response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
+    return JSONResponse(response.model_dump())
+
+
+@dataclass
+class _View:
+    body: ChatCompletionRequest
+    params: SamplingParams
+    tokenizer: Any
+
+    def logprobs(self, sample: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        entries = padded_logprobs(sample.logprobs, len(sample.token_ids))[start:end]
+        return ChatLogprobs(content=chat_logprobs(self.tokenizer, sample.token_ids[start:end], entries,
+                                                  self.body.top_logprobs or 0))
+
+
+@dataclass
+class _Stream:
+    """The assistant role first, then one chunk per choice per step with new text, then usage."""
+
+    request_id: str
+    model: str
+    view: _View
+    trackers: dict[int, DeltaTracker] = field(default_factory=dict)
+
+    async def events(self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        latest = first
+        try:
+            for index in range(self.view.params.n):
+                yield sse_event(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                                              content=""))))
+            for chunk in self._chunks(first):
+                yield sse_event(chunk)
+            async for _, latest in rest:
+                for chunk in self._chunks(latest):
+                    yield sse_event(chunk)
+            if self.view.body.include_usage:
+                yield sse_event(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
+                                                    usage=usage_of([latest])))
+        except Exception as exc:  # the 200 is sent: report in-band, as OpenAI's streams do
+            yield sse_event(exception_body(exc))
+        yield DONE
+
+    def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def _chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        for sample in output.outputs:
+            if (error := output_error(output.error, sample.finish_reason)) is not None:
+                raise error
+            tracker = self.trackers.setdefault(sample.index, DeltaTracker(stop_holdback(self.view.params.stop)))
+            delta = tracker.advance(sample)
+            if delta is None:
+                continue
+            chunks.append(self._chunk(ChatStreamChoice(
+                index=sample.index, delta=DeltaMessage(content=delta.text or None),
+                logprobs=self.view.logprobs(sample, delta.token_start, delta.token_end),
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)))
+        return chunks
