@@ -6,7 +6,8 @@ import logging
 
 import typer
 
-from tokenmill_cli import generate, plugins
+from tokenmill_cli import generate, plugins, serve
+from tokenmill_cli.bench.app import bench_app
 
 app = typer.Typer(
     name="tokenmill",
@@ -16,6 +17,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("generate", help="Generate text for one or more prompts with a local engine.")(generate.generate)
+app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.")(serve.serve)
+app.add_typer(bench_app, name="bench", help="Benchmarks: throughput, latency, serve; random-model makes a checkpoint.")
 app.command("plugins", help="List installed plugins: name, distribution, version, hooks and what they register.")(
     plugins.list_plugins
 )

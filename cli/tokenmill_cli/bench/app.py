@@ -1,0 +1,295 @@
+"""``tokenmill bench``: throughput, latency, serve, and random-model to make
+something to benchmark. Each command only gathers its options; the work is
+in the module of the same name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from tokenmill_cli.bench.options import (
+    BenchSeed,
+    CustomOutputLen,
+    DatasetName,
+    DatasetPath,
+    DisableTqdm,
+    MetricPercentiles,
+    ModelOption,
+    NumPrefixes,
+    NumPrompts,
+    OfflineBackend,
+    OutputJson,
+    PrefixLen,
+    PrefixOutputLen,
+    RandomInputLen,
+    RandomOutputLen,
+    RandomPrefixLen,
+    RandomRangeRatio,
+    SharegptOutputLen,
+    SuffixLen,
+    Tokenizer,
+)
+from tokenmill_cli.engine_options import (
+    AttentionBackend,
+    BlockSize,
+    Dtype,
+    GPUMemoryUtilization,
+    KVCacheMemory,
+    MaxModelLen,
+    MaxNumBatchedTokens,
+    MaxNumSeqs,
+    PrefixCaching,
+    StrictPlugins,
+    engine_kwargs,
+)
+
+T = TypeVar("T")
+
+bench_app = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _guarded(work: Callable[[], T]) -> T:
+    """Bad input and missing files end the command with a message, not a traceback."""
+    from tokenmill import TokenmillError
+
+    try:
+        return work()
+    except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
+def _finish(result: dict[str, Any], *json_paths: Path | None) -> None:
+    from tokenmill_cli.bench.report import write_json
+
+    if result.get("errors"):
+        typer.secho(f"{result.get('failed', 0)} requests failed; first error: {result['errors'][0]}",
+                    fg=typer.colors.RED, err=True)
+    for path in json_paths:
+        if path is not None:
+            write_json(path, result)
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    from tokenmill_cli.bench.metrics import parse_percentiles
+
+    try:
+        return parse_percentiles(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metric-percentiles") from exc
+
+
+@bench_app.command("throughput", help="Offline throughput over a dataset: tokens/s, TTFT/TPOT/ITL, roofline.")
+def throughput(
+    model: ModelOption = None,
+    backend: OfflineBackend = "tokenmill",
+    hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", "--hf-max-batch-size",
+                                               help="Static batch size of --backend hf (1: one at a time)")] = 1,
+    peak_gflops: Annotated[float | None, typer.Option(
+        help="Machine peak for the roofline (default: measured by a float32 matmul)")] = None,
+    dataset_name: DatasetName = "random",
+    dataset_path: DatasetPath = None,
+    num_prompts: NumPrompts = 64,
+    random_input_len: RandomInputLen = 128,
+    random_output_len: RandomOutputLen = 128,
+    random_range_ratio: RandomRangeRatio = 0.0,
+    random_prefix_len: RandomPrefixLen = 0,
+    prefix_len: PrefixLen = 256,
+    suffix_len: SuffixLen = 32,
+    num_prefixes: NumPrefixes = 1,
+    prefix_output_len: PrefixOutputLen = 128,
+    sharegpt_output_len: SharegptOutputLen = None,
+    custom_output_len: CustomOutputLen = 128,
+    seed: BenchSeed = 0,
+    tokenizer: Tokenizer = None,
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = 64,
+    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
+    enable_prefix_caching: PrefixCaching = True,
+    kv_cache_memory: KVCacheMemory = None,
+    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
+    block_size: BlockSize = 16,
+    attention_backend: AttentionBackend = None,
+    strict_plugins: StrictPlugins = False,
+    metric_percentiles: MetricPercentiles = "90,99",
+    output_json: OutputJson = None,
+    disable_tqdm: DisableTqdm = False,
+) -> None:
+    from tokenmill_cli.bench.datasets import DatasetOptions
+    from tokenmill_cli.bench.throughput import ThroughputOptions, print_throughput, run_throughput
+
+    dataset = DatasetOptions(
+        name=dataset_name, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, random_range_ratio=random_range_ratio,
+        random_prefix_len=random_prefix_len, prefix_len=prefix_len, suffix_len=suffix_len,
+        num_prefixes=num_prefixes, prefix_output_len=prefix_output_len, sharegpt_output_len=sharegpt_output_len,
+        dataset_path=dataset_path, custom_output_len=custom_output_len)
+    opts = ThroughputOptions(backend=backend, hf_batch_size=hf_batch_size, peak_gflops=peak_gflops,
+                             percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm)
+    kwargs = engine_kwargs(
+        tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+        kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins)
+    result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
+    print_throughput(result)
+    _finish(result, output_json)
+
+
+@bench_app.command("latency", help="One batch of fixed size, repeated: per-iteration and per-token latency, GB/s.")
+def latency(
+    model: ModelOption = None,
+    backend: OfflineBackend = "tokenmill",
+    input_len: Annotated[int, typer.Option(help="Prompt tokens of each request")] = 32,
+    output_len: Annotated[int, typer.Option(help="Tokens each request generates")] = 128,
+    batch_size: Annotated[int, typer.Option(help="Requests in the batch")] = 8,
+    num_iters_warmup: Annotated[int, typer.Option(help="Iterations run before measuring")] = 3,
+    num_iters: Annotated[int, typer.Option(help="Iterations measured")] = 10,
+    seed: BenchSeed = 0,
+    tokenizer: Tokenizer = None,
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = 64,
+    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
+    enable_prefix_caching: PrefixCaching = True,
+    kv_cache_memory: KVCacheMemory = None,
+    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
+    block_size: BlockSize = 16,
+    attention_backend: AttentionBackend = None,
+    strict_plugins: StrictPlugins = False,
+    metric_percentiles: MetricPercentiles = "90,99",
+    output_json: OutputJson = None,
+    disable_tqdm: DisableTqdm = False,
+) -> None:
+    from tokenmill_cli.bench.latency import LatencyOptions, print_latency, run_latency
+
+    opts = LatencyOptions(backend=backend, input_len=input_len, output_len=output_len, batch_size=batch_size,
+                          num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=seed,
+                          percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm)
+    kwargs = engine_kwargs(
+        tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+        kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins)
+    result = _guarded(lambda: run_latency(model, kwargs, opts))
+    print_latency(result)
+    _finish(result, output_json)
+
+
+@bench_app.command("serve", help="Load a running OpenAI-compatible server: Poisson arrivals or a concurrency cap.")
+def serve(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="The model name to request; also the tokenizer unless --tokenizer (default: the "
+                              "server's first model)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Name to request, when it differs from --model")] = None,
+    tokenizer: Tokenizer = None,
+    backend: Annotated[str, typer.Option(help="openai, vllm or tokenmill: all speak /v1/completions")] = "openai",
+    base_url: Annotated[str | None, typer.Option(help="Server URL (default: http://HOST:PORT)")] = None,
+    host: Annotated[str, typer.Option(help="Server host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Server port")] = 8000,
+    endpoint: Annotated[str, typer.Option(help="Completions path")] = "/v1/completions",
+    request_rate: Annotated[float, typer.Option(help="Requests per second; inf sends all at once")] = math.inf,
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival gaps; 1 is Poisson")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="Most requests in flight")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate exactly the requested lengths")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy")] = 0.0,
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token for the server")] = None,
+    dataset_name: DatasetName = "random",
+    dataset_path: DatasetPath = None,
+    num_prompts: NumPrompts = 64,
+    random_input_len: RandomInputLen = 128,
+    random_output_len: RandomOutputLen = 128,
+    random_range_ratio: RandomRangeRatio = 0.0,
+    random_prefix_len: RandomPrefixLen = 0,
+    prefix_len: PrefixLen = 256,
+    suffix_len: SuffixLen = 32,
+    num_prefixes: NumPrefixes = 1,
+    prefix_output_len: PrefixOutputLen = 128,
+    sharegpt_output_len: SharegptOutputLen = None,
+    custom_output_len: CustomOutputLen = 128,
+    seed: BenchSeed = 0,
+    metric_percentiles: MetricPercentiles = "90,99",
+    percentile_metrics: Annotated[str, typer.Option(
+        help="Latency metrics the table shows: ttft, tpot, itl, e2el (the JSON has all)",
+        rich_help_panel="Output")] = "ttft,tpot,itl,e2el",
+    output_json: OutputJson = None,
+    save_result: Annotated[bool, typer.Option("--save-result", help="Also save to --result-dir/--result-filename")] = False,
+    result_dir: Annotated[Path, typer.Option(help="Folder of --save-result")] = Path("."),
+    result_filename: Annotated[str | None, typer.Option(help="File name of --save-result")] = None,
+    disable_tqdm: DisableTqdm = False,
+) -> None:
+    from tokenmill_cli.bench.datasets import DatasetOptions
+    from tokenmill_cli.bench.metrics import LATENCY_METRICS
+    from tokenmill_cli.bench.serve_client import ServeOptions, print_serve, run_serve
+
+    dataset = DatasetOptions(
+        name=dataset_name, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, random_range_ratio=random_range_ratio,
+        random_prefix_len=random_prefix_len, prefix_len=prefix_len, suffix_len=suffix_len,
+        num_prefixes=num_prefixes, prefix_output_len=prefix_output_len, sharegpt_output_len=sharegpt_output_len,
+        dataset_path=dataset_path, custom_output_len=custom_output_len)
+    opts = ServeOptions(base_url=base_url or f"http://{host}:{port}", endpoint=endpoint,
+                        model=served_model_name or model, request_rate=request_rate, burstiness=burstiness,
+                        max_concurrency=max_concurrency, ignore_eos=ignore_eos, temperature=temperature,
+                        api_key=api_key, seed=seed)
+    percentiles = _percentiles(metric_percentiles)
+    shown = tuple(m.strip() for m in percentile_metrics.split(",") if m.strip())
+    if unknown := set(shown) - set(LATENCY_METRICS):
+        raise typer.BadParameter(f"unknown metrics {sorted(unknown)}; choose from {', '.join(LATENCY_METRICS)}",
+                                 param_hint="--percentile-metrics")
+    requests = _guarded(lambda: _serve_requests(tokenizer or model, dataset))
+    result = _guarded(lambda: run_serve(requests, opts, dataset.name, percentiles, disable_tqdm))
+    result["backend"] = backend
+    print_serve(result, shown)
+    saved = None
+    if save_result:  # vLLM's way to name the file
+        default_name = f"{backend}-{result['request_rate']}qps-{Path(str(result['model'])).name}.json"
+        saved = result_dir / (result_filename or default_name)
+    _finish(result, output_json, saved)
+
+
+def _serve_requests(tokenizer_source: str | None, dataset: Any) -> list[Any]:
+    """The client side has no engine: the tokenizer comes from --tokenizer or --model."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from tokenmill_cli.bench.datasets import DatasetContext, Vocabulary, canonical_name, load_dataset
+
+    if tokenizer_source is None:
+        raise ValueError("bench serve needs --model or --tokenizer to build prompts")
+    tok = AutoTokenizer.from_pretrained(tokenizer_source)
+    dataset = replace(dataset, name=canonical_name(dataset.name))
+    return load_dataset(dataset, DatasetContext(tok, Vocabulary.from_tokenizer(tok)))
+
+
+@bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark.")
+def random_model(
+    output: Annotated[Path, typer.Argument(help="Folder to write (created if missing)")],
+    preset: Annotated[str | None, typer.Option(help="tiny (58M) or 100m; explicit sizes override it")] = None,
+    hidden_size: Annotated[int | None, typer.Option()] = None,
+    intermediate_size: Annotated[int | None, typer.Option()] = None,
+    num_hidden_layers: Annotated[int | None, typer.Option()] = None,
+    num_attention_heads: Annotated[int | None, typer.Option()] = None,
+    num_key_value_heads: Annotated[int | None, typer.Option()] = None,
+    vocab_size: Annotated[int | None, typer.Option(help="default: 32000")] = None,
+    max_position_embeddings: Annotated[int | None, typer.Option(help="default: 2048")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+) -> None:
+    from dataclasses import asdict
+
+    from tokenmill_cli.bench.random_model import resolve_sizes, write_random_model
+
+    sizes = _guarded(lambda: resolve_sizes(
+        preset, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings))
+    params = _guarded(lambda: write_random_model(output, sizes, seed, dtype))
+    shape = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in asdict(sizes).items())
+    typer.echo(f"wrote {output}: {params / 1e6:.1f}M parameters ({shape})")

@@ -1,0 +1,75 @@
+"""The engines an offline benchmark can drive, behind one small interface.
+
+``throughput`` and ``latency`` hand a backend a list of requests and get
+one ``RequestRecord`` per request back; everything else (datasets, metrics,
+reports) is shared, so the same command measures tokenmill and the
+transformers baseline on the same workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any, Protocol
+
+from tokenmill_cli.bench.datasets import BenchRequest
+from tokenmill_cli.bench.metrics import RequestRecord
+from tokenmill_cli.bench.roofline import WeightCounts
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Cumulative engine counters; a run reports the difference across it."""
+
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found there
+    preemptions: int = 0
+
+    def since(self, before: EngineCounters) -> EngineCounters:
+        return EngineCounters(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
+                              self.preemptions - before.preemptions)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class Backend(Protocol):
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int | None
+    device: Any  # a torch.device
+    weights: WeightCounts | None
+
+    def run(self, requests: Sequence[BenchRequest], temperature: float,
+            on_finish: Callable[[], None] | None = None) -> list[RequestRecord]:
+        """Generate exactly ``output_len`` tokens (EOS ignored) for every request, all
+        arriving now; records come back in the requests' order."""
+        ...
+
+    def counters(self) -> EngineCounters: ...
+
+
+# name -> "module:Class", imported only when chosen (the engines pull in torch)
+BACKENDS: dict[str, str] = {
+    "tokenmill": "tokenmill_cli.bench.tokenmill_backend:TokenmillBackend",
+    "hf": "tokenmill_cli.bench.hf_backend:HFBackend",
+}
+# `vllm bench` defaults to --backend vllm: here that is this engine
+ALIASES = {"vllm": "tokenmill"}
+
+
+def canonical_backend(name: str) -> str:
+    name = ALIASES.get(name, name)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    return name
+
+
+def create_backend(name: str, model: str | None, engine_kwargs: dict[str, Any], batch_size: int | None) -> Backend:
+    """Build a backend; ``batch_size`` is the static batch of backends without continuous batching."""
+    module, _, cls = BACKENDS[canonical_backend(name)].partition(":")
+    backend: Backend = getattr(import_module(module), cls)(model, engine_kwargs, batch_size)
+    return backend

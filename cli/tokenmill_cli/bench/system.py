@@ -1,0 +1,98 @@
+"""What the machine did: peak memory, process start time, and a quick
+measure of its float32 matmul peak (the roofline's ceiling)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+_IMPORTED_AT = time.time()  # the fallback start time where /proc is missing
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size; ru_maxrss is KiB on Linux, bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def peak_device_memory_bytes() -> int | None:
+    """The CUDA caching allocator's peak, or None where no GPU was used."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+def process_start_time() -> float:
+    """When this process started, in ``time.time()`` seconds.
+
+    Linux gives the start in clock ticks since boot and the uptime in
+    seconds (both about 10 ms resolution); their difference is the age.
+    Elsewhere, the time this module was imported stands in for it.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5)
+        return time.time() - (uptime - started_after_boot)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+def wall_time(perf_time: float) -> float:
+    """A ``time.perf_counter()`` reading as ``time.time()`` seconds."""
+    return time.time() - (time.perf_counter() - perf_time)
+
+
+def measure_peak_gflops(device: Any, seconds: float = 0.3) -> float:
+    """Float32 matmul GFLOP/s on ``device``: big square products, timed for about ``seconds``.
+
+    A single square matmul is the best case a dense model can reach, so it
+    stands in for the machine's peak; pass ``--peak-gflops`` for a datasheet number.
+    """
+    import torch
+
+    size = 4096 if torch.device(device).type == "cuda" else 1024
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # true float32: no TF32 on GPUs
+    try:
+        return _time_matmuls(torch, device, size, seconds)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _time_matmuls(torch: Any, device: Any, size: int, seconds: float) -> float:
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    out = torch.empty(size, size, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm up: thread pools, kernels, caches
+        torch.mm(a, b, out=out)
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b, out=out)
+        count += 1
+        if count % 4 == 0:
+            sync()
+    sync()
+    elapsed = time.perf_counter() - start
+    return 2 * size**3 * count / elapsed / 1e9
+
+
+def mib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else num_bytes / 2**20
+
+
+def memory_json() -> dict[str, float | None]:
+    return {"peak_rss_mib": mib(peak_rss_bytes()), "peak_device_memory_mib": mib(peak_device_memory_bytes())}
+
+
+def startup_seconds(first_token_perf: float | None, process_start: float) -> float | None:
+    """Process start to the first generated token, the issue's start-up measure."""
+    return None if first_token_perf is None else wall_time(first_token_perf) - process_start

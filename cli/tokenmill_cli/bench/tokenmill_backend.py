@@ -1,0 +1,72 @@
+"""tokenmill's own engine as a benchmark backend.
+
+``run`` is ``LLM.generate``'s loop (add every request, step until none is
+left) with a clock read after each step, so the throughput it measures is
+the offline engine's and each request's outputs carry timestamps for TTFT,
+TPOT and ITL. Reading the clock once per step costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokenmill_cli.bench.backends import EngineCounters
+from tokenmill_cli.bench.datasets import BenchRequest
+from tokenmill_cli.bench.metrics import RequestRecord
+from tokenmill_cli.bench.roofline import WeightCounts, count_weights
+
+
+class TokenmillBackend:
+    name = "tokenmill"
+
+    def __init__(self, model: str | None, engine_kwargs: dict[str, Any], batch_size: int | None = None) -> None:
+        """``batch_size`` is the baseline's knob; continuous batching takes ``max_num_seqs`` instead."""
+        from tokenmill import LLM
+
+        self.llm = LLM(model, **engine_kwargs)
+        core = self.llm.engine.core
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size: int = core.checkpoint.hf_config.vocab_size
+        self.max_model_len: int | None = core.max_model_len
+        runner = getattr(core.executor, "runner", None)  # in-process executors only
+        self.device = runner.device if runner is not None else core.platform.device()
+        self.weights: WeightCounts | None = count_weights(runner.model) if runner is not None else None
+
+    def run(self, requests: Sequence[BenchRequest], temperature: float,
+            on_finish: Callable[[], None] | None = None) -> list[RequestRecord]:
+        from tokenmill import SamplingParams
+
+        engine = self.llm.engine
+        start = time.perf_counter()
+        records: dict[str, RequestRecord] = {}
+        try:
+            for request in requests:
+                request_id = engine.next_request_id()
+                params = SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
+                                        max_tokens=request.output_len)
+                engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+                records[request_id] = RequestRecord(request.prompt_len, start)
+        except Exception:
+            for request_id in records:
+                engine.abort_request(request_id)
+            raise
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                record = records[output.request_id]
+                num_tokens = len(output.outputs[0].token_ids)
+                if num_tokens > record.output_len:
+                    record.add_output(now, num_tokens)
+                if output.finished:
+                    record.error = output.error
+                    if on_finish is not None:
+                        on_finish()
+        return list(records.values())
+
+    def counters(self) -> EngineCounters:
+        core = self.llm.engine.core
+        stats = core.kv_manager.prefix_cache_stats
+        return EngineCounters(stats.queries, stats.hits, core.scheduler.num_preemptions)
