@@ -65,6 +65,7 @@ def test_a_bad_prompt_in_a_batch_runs_none_and_leaks_nothing(llm):
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"logprobs": -1}, "logprobs"),
+    ({"seed": 2**70}, "seed"),
 ])
 def test_invalid_sampling_parameters_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidRequestError, match=param) as error:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tokenmill.entrypoints.async_llm import AsyncLLM
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ _LAZY = {
     "EngineConfig": "tokenmill.config",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
+    "StructuredOutputsParams": "tokenmill.structured_output.params",
 }
 
 
@@ -57,6 +59,7 @@ __all__ = [
     "PluginError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TokenmillError",
     "UnsupportedModelError",
 ]

@@ -45,6 +45,8 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     attention_backend: str | None = None
+    structured_outputs_backend: str = Field(
+        "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")
     strict_plugins: bool = False
     num_threads: int | None = Field(None, ge=1)
 

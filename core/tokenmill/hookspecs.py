@@ -126,6 +126,23 @@ def tokenmill_register_reasoning_parsers() -> dict[str, str] | None:
 
 
 @hookspec
+def tokenmill_register_structured_output_backends() -> dict[str, str] | None:
+    """Map structured-output backend names to ``"module:Class"`` qualnames.
+
+    Called in the engine process when the engine starts; only the backend named
+    by ``EngineConfig.structured_outputs_backend`` (default ``"xgrammar"``,
+    registered by the core) is imported, and only on the first constrained
+    request. The class implements
+    :class:`tokenmill.structured_output.backend.StructuredOutputBackend`: built
+    with ``(tokenizer, vocab_size, stop_token_ids)``, it validates constraints
+    (``InvalidRequestError`` naming the field for a bad one), compiles them (in
+    a worker thread) and makes one matcher per request, which fills int32
+    bit-packed token bitmasks. Collect hook; two plugins registering one name
+    is an error naming both distributions.
+    """
+
+
+@hookspec
 def tokenmill_process_start(role: str, rank: int, config: Any) -> None:
     """Initialise per-process state.
 

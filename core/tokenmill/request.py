@@ -5,10 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 from tokenmill.errors import InvalidStateTransition
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.backend import GrammarMatcher
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", bytes)
@@ -87,6 +90,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
+    # Structured outputs: the matcher, set once the grammar is compiled.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

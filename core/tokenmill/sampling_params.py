@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -37,6 +38,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict of
+    # StructuredOutputsParams' fields is accepted too); the grammar, not
+    # ignore_eos, decides when the output ends.
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,10 +74,17 @@ class SamplingParams:
              f"logprobs must be non-negative, got {self.logprobs}"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
+             f"seed must fit in 64 bits, got {self.seed}"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+        if isinstance(self.structured_outputs, dict):  # the JSON form, e.g. {"regex": "[0-9]+"}
+            self.structured_outputs = _structured_from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict",
+                                      param="structured_outputs")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
 
@@ -84,3 +96,12 @@ class SamplingParams:
         """The parameters of the ``index``-th of ``n`` samples (each its own seed)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _structured_from_dict(fields: dict[str, Any]) -> StructuredOutputsParams:
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}",
+                                  param="structured_outputs")
+    return StructuredOutputsParams(**fields)

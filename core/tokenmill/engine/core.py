@@ -17,6 +17,11 @@ from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutput
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.structured_output.manager import StructuredOutputManager
+
+# With nothing runnable but requests whose grammar compiles, step() waits this
+# long for one to finish instead of spinning on empty steps.
+_GRAMMAR_WAIT_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +37,25 @@ class EngineCore:
         self.checkpoint = load_checkpoint(config.model or default_model(self.plugins), self.plugins, self.platform,
                                           self.dtype, config.revision, config.tokenizer)
         self.max_model_len = _max_model_len(config, self.checkpoint)
+        self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
+                                                                     self.checkpoint.tokenizer)
         self.executor: Executor = UniProcExecutor(config, self.platform, plugins=self.plugins,
                                                   checkpoint=self.checkpoint, dtype=self.dtype,
                                                   max_model_len=self.max_model_len, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        vocab_size = self.checkpoint.hf_config.vocab_size
+        stop_ids = [t for t in [self.eos_token_id, *self.extra_stop_token_ids] if t is not None]
+        self.structured_output = StructuredOutputManager.from_plugins(
+            self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, vocab_size, stop_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
-        ), self.kv_manager)
+        ), self.kv_manager, self.structured_output)
+        self.last_num_scheduled_tokens = 0
 
     def _init_kv_cache(self) -> int:
         per_block = self.executor.kv_bytes_per_block()
@@ -74,11 +86,25 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if scheduler_output.is_empty and self.structured_output.num_pending:
+            self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def eos_token_ids(generation_config: dict[str, Any], tokenizer: Any) -> tuple[int | None, list[int]]:
+    """The primary EOS id, and the other ids the generation config says also end a sequence."""
+    configured = generation_config.get("eos_token_id")
+    ids = configured if isinstance(configured, list) else [configured] if configured is not None else []
+    primary = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if primary is None and ids:
+        primary = ids[0]
+    return primary, [i for i in ids if i != primary]
 
 
 def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.request import Request, RequestId
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 # A text prompt, or vLLM's dict forms: {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
@@ -24,8 +25,12 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_id: int | None,
-                 extra_stop_token_ids: list[int]) -> None:
+                 extra_stop_token_ids: list[int],
+                 validate_structured_outputs: Callable[[StructuredOutputsParams], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        # The structured-output backend's check: a bad schema, regex or grammar fails here, in the
+        # submitting thread, as an InvalidRequestError, never inside the engine loop.
+        self.validate_structured_outputs = validate_structured_outputs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -76,6 +81,10 @@ class InputProcessor:
         """One request per sample; ``n > 1`` fans out into children ``{i}_{id}``."""
         if params.logit_bias and any(not 0 <= int(t) < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError("logit_bias names token ids outside the vocabulary", param="logit_bias")
+        if params.structured_outputs is not None:
+            if self.validate_structured_outputs is None:
+                raise InvalidRequestError("this engine has no structured-output backend", param="structured_outputs")
+            self.validate_structured_outputs(params.structured_outputs)
         room = self.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]

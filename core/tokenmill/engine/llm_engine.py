@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidStateTransition
+from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.request import Request, RequestStatus
@@ -31,13 +32,16 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, progress: bool = False,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
         self.config = config
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.core = EngineCore(config, plugins, progress=progress)
         self.tokenizer = self.core.tokenizer
-        eos, extra_stops = _eos_ids(self.core.checkpoint.generation_config, self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                              self.core.checkpoint.hf_config.vocab_size, eos, extra_stops)
+                                              self.core.checkpoint.hf_config.vocab_size, self.core.eos_token_id,
+                                              self.core.extra_stop_token_ids,
+                                              validate_structured_outputs=self.core.structured_output.validate)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -83,27 +87,41 @@ class LLMEngine:
         output = None
         for child in children:
             output = self.output_processor.finish(child, status, error) or output
+        self._record_stats()
         return output
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
+        step_start = time.monotonic()
         core_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process(core_outputs)
+        outputs, stopped = self.output_processor.process(core_outputs, step_start)
         if stopped:
             self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._record_stats(self.core.last_num_scheduled_tokens)
         return outputs
+
+    def scheduler_snapshot(self) -> SchedulerSnapshot:
+        scheduler, kv = self.core.scheduler, self.core.kv_manager
+        return SchedulerSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )
+
+    def _record_stats(self, num_scheduled_tokens: int = 0) -> None:
+        if not self.stat_loggers:
+            return
+        iteration = self.output_processor.take_stats()
+        iteration.num_scheduled_tokens = num_scheduled_tokens
+        snapshot = self.scheduler_snapshot()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration)
 
     def shutdown(self) -> None:
         self.core.shutdown()
 
-
-def _eos_ids(generation_config: dict[str, Any], tokenizer: Any) -> tuple[int | None, list[int]]:
-    """The primary EOS id, and the other ids the generation config says also end a sequence."""
-    configured = generation_config.get("eos_token_id")
-    ids = configured if isinstance(configured, list) else [configured] if configured is not None else []
-    primary = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if primary is None and ids:
-        primary = ids[0]
-    return primary, [i for i in ids if i != primary]

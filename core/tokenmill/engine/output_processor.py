@@ -3,10 +3,12 @@ apply stop strings, gather logprobs, and merge the ``n`` samples of a request.""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.metrics.stats import IterationStats, RequestTimer
 from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from tokenmill.request import RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -57,6 +59,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}  # core request id -> parent id
+        self._timers: dict[str, RequestTimer] = {}  # core request id -> its timestamps
+        self._stats = IterationStats()
+
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call (steps and aborts)."""
+        stats, self._stats = self._stats, IterationStats()
+        return stats
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     children: list[tuple[str, SamplingParams]]) -> None:
@@ -68,6 +77,8 @@ class OutputProcessor:
         }
         self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, samples)
         self._parent_of.update({child_id: request_id for child_id in samples})
+        arrival = time.monotonic()
+        self._timers.update({child_id: RequestTimer(arrival, len(prompt_token_ids)) for child_id in samples})
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -79,8 +90,10 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._parents)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, core_outputs: list[EngineCoreOutput],
+                step_start: float | None = None) -> tuple[list[RequestOutput], list[str]]:
         """Returns the updated requests' outputs, and the core requests that a stop string ended."""
+        now = time.monotonic()
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         for out in core_outputs:
@@ -88,10 +101,29 @@ class OutputProcessor:
             if parent_id is None:
                 continue
             parent = self._parents[parent_id]
-            if self._update_sample(parent, parent.samples[out.req_id], out):
+            sample = parent.samples[out.req_id]
+            self._time_step(out, step_start if step_start is not None else now, now)
+            if self._update_sample(parent, sample, out):
                 stopped.append(out.req_id)
+            if sample.finish_reason is not None:
+                self._finish_timer(out.req_id, sample.finish_reason, now)
             touched[parent_id] = parent
         return [self._emit(parent) for parent in touched.values()], stopped
+
+    def _time_step(self, out: EngineCoreOutput, step_start: float, now: float) -> None:
+        timer = self._timers.get(out.req_id)
+        if timer is None:
+            return
+        if out.new_token_ids and timer.first_token is None:
+            self._stats.num_prompt_tokens += timer.num_prompt_tokens
+        timer.on_step(step_start, now, len(out.new_token_ids), self._stats)
+
+    def _finish_timer(self, req_id: str, reason: str, now: float) -> None:
+        timer = self._timers.pop(req_id, None)
+        if timer is not None:
+            self._stats.finished.append(timer.finish(reason, now))
+            if reason in ("abort", "timeout"):
+                self._stats.num_aborted += 1
 
     def finish(self, req_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
         """Mark a core request finished from outside the step (abort, timeout, error)."""
@@ -102,6 +134,7 @@ class OutputProcessor:
         sample = parent.samples[req_id]
         if sample.finish_reason is None:
             sample.finish_reason = status.finish_reason
+            self._finish_timer(req_id, sample.finish_reason or "abort", time.monotonic())
         parent.error = parent.error or error
         return self._emit(parent)
 

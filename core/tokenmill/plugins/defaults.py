@@ -16,3 +16,9 @@ def tokenmill_select_attention_backend(request: Any, candidates: list[AttentionB
     if not candidates:
         return None
     return max(candidates, key=lambda spec: spec.priority).name
+
+
+@hookimpl
+def tokenmill_register_structured_output_backends() -> dict[str, str]:
+    """xgrammar is the built-in backend (imported only when a request is constrained)."""
+    return {"xgrammar": "tokenmill.structured_output.xgrammar_backend:XgrammarBackend"}

@@ -1,6 +1,7 @@
 """Sampling: turn one step's logits into tokens, honouring each request's SamplingParams."""
 
 from tokenmill.sample.bias import apply_logit_bias, apply_min_tokens
+from tokenmill.sample.grammar import apply_grammar_bitmask, apply_token_bitmask, bitmask_penalty
 from tokenmill.sample.logprobs import (
     LogprobsLists,
     LogprobsTensors,
@@ -26,12 +27,15 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "apply_grammar_bitmask",
     "apply_logit_bias",
     "apply_min_p",
     "apply_min_tokens",
     "apply_penalties",
     "apply_temperature",
+    "apply_token_bitmask",
     "apply_top_k_top_p",
+    "bitmask_penalty",
     "compute_logprobs",
     "compute_prompt_logprobs",
     "exponential_race",

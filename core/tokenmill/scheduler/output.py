@@ -4,8 +4,12 @@ requests, diffs for the ones already in the persistent batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -36,6 +40,19 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens each constrained request may sample this step.
+
+    ``bitmask`` is ``[len(rows), ceil(vocab_size / 32)]`` int32, bit-packed
+    (bit ``j`` of word ``i`` is token ``32 * i + j``; set = allowed); ``rows``
+    maps a request id to its row. Only requests that sample this step have one.
+    """
+
+    bitmask: torch.Tensor
+    rows: dict[str, int]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -46,6 +63,8 @@ class SchedulerOutput:
     # Preempted since the last step: workers drop them from the batch but keep
     # their state (token ids, seeded generator) for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: None when no scheduled request is constrained.
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -6,24 +6,34 @@ unfinished prefill continues in chunks), then waiting ones. There are no
 prefill and decode phases; chunked prefill and mixed batches fall out of the
 budget. When the KV cache runs out, the newest (or lowest-priority) running
 request is preempted and later recomputed from scratch.
+
+A request with structured outputs waits in ``WAITING_FOR_GRAMMAR``, outside
+the waiting queue, while its grammar compiles in a thread, so it blocks no
+one; each step the constrained requests that sample get a token bitmask, and
+their matchers advance with the tokens sampled.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenmill.errors import InvalidStateTransition
+from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +66,17 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.structured_output = structured_output
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = QUEUES[config.policy]()
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.running: list[Request] = []
+        self._constrained: dict[str, Request] = {}  # requests with a grammar matcher
+        self._pending_outputs: list[EngineCoreOutput] = []  # ended outside a step, reported by the next
         self._victim_key = preemption_key(config.policy)
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
@@ -71,6 +86,15 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        params = request.sampling_params.structured_outputs
+        if params is not None:
+            if self.structured_output is None:
+                raise InvalidRequestError("this engine has no structured-output backend", param="structured_outputs")
+            self.structured_output.submit(request)
+            request.transition(RequestStatus.WAITING_FOR_GRAMMAR)
+            self.requests[request.request_id] = request
+            self.waiting_for_grammar[request.request_id] = request
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -84,8 +108,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 raise InvalidStateTransition(f"request {req_id} is not running or waiting")
+            waiting_for_grammar = request.status == RequestStatus.WAITING_FOR_GRAMMAR
             request.transition(status)
-            if request in self.running:
+            if waiting_for_grammar:
+                del self.waiting_for_grammar[req_id]
+                self.structured_output.discard(req_id)  # type: ignore[union-attr]
+            elif request in self.running:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
@@ -96,6 +124,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._constrained.pop(request.request_id, None)
+        request.grammar = None
         self._finished_ids.add(request.request_id)
 
     @property
@@ -104,6 +134,8 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
         plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {})
         self._schedule_running(plan)
         if not self._preempted_ids:
@@ -115,9 +147,41 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.tokens.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            grammar=self._grammar_bitmask(plan) if self._constrained else None,
         )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
+
+    def _admit_compiled_grammars(self) -> None:
+        """Move requests whose grammar is compiled to the waiting queue (a failed compile ends the request)."""
+        manager = self.structured_output
+        assert manager is not None
+        for request in [r for r in self.waiting_for_grammar.values() if manager.is_ready(r)]:
+            del self.waiting_for_grammar[request.request_id]
+            try:
+                manager.start(request)
+            except Exception as exc:  # the request fails, the engine goes on
+                logger.warning("request %s: structured output grammar failed to compile: %s", request.request_id, exc)
+                self._fail(request, f"the structured output grammar failed to compile: {exc}")
+                continue
+            request.transition(RequestStatus.WAITING)
+            self._constrained[request.request_id] = request
+            self.waiting.add(request)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End a request that is in no queue with an error, reported by the next ``update_from_output``."""
+        request.error = error
+        request.transition(RequestStatus.FINISHED_ERROR)
+        self._release(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[], finish_status=RequestStatus.FINISHED_ERROR, error=error))
+
+    def _grammar_bitmask(self, plan: _StepPlan) -> GrammarBitmask | None:
+        """Bitmask rows for the constrained requests that reach their last token, and so sample, this step."""
+        sampling = [r for r in self._constrained.values()
+                    if r.request_id in plan.tokens and r.num_computed_tokens + plan.tokens[r.request_id] >= r.num_tokens]
+        assert self.structured_output is not None
+        return self.structured_output.grammar_bitmask(sampling)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -192,26 +256,30 @@ class Scheduler:
     # -- after the model ran ----------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            ) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:  # finished from outside meanwhile
                 continue
             request.num_computed_tokens += num_tokens
-            new_tokens = runner_output.sampled.get(req_id, [])
+            sampled = runner_output.sampled.get(req_id, [])
             pooled = runner_output.pooled.get(req_id)
-            status = self._append_and_check(request, new_tokens)
+            num_before = request.num_output_tokens
+            status = self._append_and_check(request, sampled)
+            new_tokens = request.output_token_ids[num_before:]  # a rejected token is not part of the output
+            new_logprobs = runner_output.logprobs.get(req_id)
             if pooled is not None:
                 request.transition(status := RequestStatus.FINISHED_STOPPED)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=new_tokens,
-                new_logprobs=runner_output.logprobs.get(req_id),
+                new_logprobs=new_logprobs[: len(new_tokens)] if new_logprobs is not None else None,
                 new_prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                 finish_status=status,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                error=request.error,
                 pooled=pooled,
             ))
             if status is not None:
@@ -221,8 +289,16 @@ class Scheduler:
 
     def _append_and_check(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:
         for token in new_tokens:
+            if request.grammar is not None and not request.grammar.accept_tokens([token]):
+                # Only a sampler that ignored the bitmask gets here (e.g. every allowed token
+                # biased to -inf): fail this request, not the step.
+                request.error = f"structured output: the sampled token {token} is not allowed by the grammar"
+                request.transition(RequestStatus.FINISHED_ERROR)
+                return RequestStatus.FINISHED_ERROR
             request.append_output_token(token)
             status = self._stop_status(request, token)
+            if status is None and request.grammar is not None and request.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete, ignore_eos or not
             if status is not None:
                 request.transition(status)
                 return status
@@ -241,4 +317,5 @@ class Scheduler:
         return None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions)
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self.waiting_for_grammar), self.kv.usage,
+                              self.num_preemptions)

@@ -13,8 +13,8 @@ from torch import nn
 
 from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
-from tokenmill.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
+from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
@@ -62,7 +62,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
         self._pool(inputs, hidden, output)
-        self._sample(inputs, hidden, output)
+        self._sample(inputs, hidden, output, scheduler_output.grammar)
         return output
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -107,7 +107,8 @@ class ModelRunner:
             return None
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
+                grammar: GrammarBitmask | None = None) -> None:
         generative = np.array([self.batch.states[r].pooling is None for r in inputs.rows], dtype=bool)
         mask = inputs.sample_mask & generative
         sample_rows = inputs.rows[mask]
@@ -125,6 +126,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
         result = self.sampler(logits.float(), metadata)
         tokens = result.sampled_token_ids.tolist()
         lists = result.logprobs.tolists() if result.logprobs is not None else None

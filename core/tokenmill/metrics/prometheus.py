@@ -1,0 +1,91 @@
+"""Prometheus metrics, names prefixed ``tokenmill:``, labelled with the model name.
+
+Counters that mirror engine totals (preemptions, prefix-cache tokens) are
+advanced by the difference since the last step, so a counter never goes
+backwards. Pass ``registry`` to keep several engines (tests) apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, [*labels, *extra], registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, labels, registry=registry, multiprocess_mode="mostrecent")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets, registry=registry)
+
+        self.model = model_name
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("num_preemptions", "Requests preempted because the KV cache ran out")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.finished = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.aborted = counter("num_aborted_requests", "Requests aborted (client, timeout or shutdown)")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens", _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token", _LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token", _LATENCY_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests", _TOKEN_BUCKETS)
+        self.gen_len = histogram("request_generation_tokens", "Generated length of finished requests",
+                                 _TOKEN_BUCKETS)
+        self.step_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
+        for reason in FINISH_REASONS:  # present from the start, at zero
+            self.finished.labels(self.model, reason)
+        for metric in (self.draft_tokens, self.accepted_tokens, self.aborted):
+            metric.labels(self.model)
+        self._last = SchedulerSnapshot()
+
+    def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
+        m = self.model
+        self.running.labels(m).set(scheduler.num_running)
+        self.waiting.labels(m).set(scheduler.num_waiting)
+        self.kv_usage.labels(m).set(scheduler.kv_cache_usage)
+        self._advance(self.prefix_queries, scheduler.prefix_cache_queries - self._last.prefix_cache_queries)
+        self._advance(self.prefix_hits, scheduler.prefix_cache_hits - self._last.prefix_cache_hits)
+        self._advance(self.preemptions, scheduler.num_preemptions - self._last.num_preemptions)
+        self._last = scheduler
+        self._advance(self.prompt_tokens, iteration.num_prompt_tokens)
+        self._advance(self.generation_tokens, iteration.num_generation_tokens)
+        self._advance(self.aborted, iteration.num_aborted)
+        if iteration.num_scheduled_tokens:
+            self.step_tokens.labels(m).observe(iteration.num_scheduled_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.labels(m).observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.labels(m).observe(value)
+        for done in iteration.finished:
+            self.finished.labels(m, done.finish_reason).inc()
+            self.e2e.labels(m).observe(done.e2e_latency)
+            self.queue.labels(m).observe(done.queue_time)
+            self.prefill.labels(m).observe(done.prefill_time)
+            self.decode.labels(m).observe(done.decode_time)
+            self.prompt_len.labels(m).observe(done.num_prompt_tokens)
+            self.gen_len.labels(m).observe(done.num_generation_tokens)
+
+    def _advance(self, counter: Counter, amount: int) -> None:
+        if amount > 0:
+            counter.labels(self.model).inc(amount)

@@ -1,0 +1,92 @@
+"""Per-step and per-request measurements.
+
+The output processor keeps one :class:`RequestTimer` per core request and
+turns the engine's outputs into one :class:`IterationStats` per step;
+loggers receive it with a :class:`SchedulerSnapshot` of the queues and cache.
+Times are ``time.monotonic()`` seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SchedulerSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # tokens looked up, since start
+    prefix_cache_hits: int = 0  # tokens found, since start
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did."""
+
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_scheduled_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_aborted: int = 0
+
+
+@dataclass
+class RequestTimer:
+    """Timestamps of one core request, from arrival to its end."""
+
+    arrival: float
+    num_prompt_tokens: int
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+    def on_step(self, step_start: float, now: float, new_tokens: int, stats: IterationStats) -> None:
+        if self.first_scheduled is None:
+            self.first_scheduled = step_start
+        if new_tokens == 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            stats.time_to_first_tokens.append(now - self.arrival)
+        elif self.last_token is not None:
+            stats.inter_token_latencies.append(now - self.last_token)
+        self.last_token = now
+        self.num_generation_tokens += new_tokens
+        stats.num_generation_tokens += new_tokens
+
+    def finish(self, reason: str, now: float) -> FinishedRequestStats:
+        scheduled = self.first_scheduled if self.first_scheduled is not None else now
+        first = self.first_token if self.first_token is not None else now
+        last = self.last_token if self.last_token is not None else first
+        return FinishedRequestStats(
+            finish_reason=reason,
+            e2e_latency=now - self.arrival,
+            queue_time=scheduled - self.arrival,
+            prefill_time=max(0.0, first - scheduled),
+            decode_time=max(0.0, last - first),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
+        """Called by the engine after every step (in the engine's thread)."""
+        ...
