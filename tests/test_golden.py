@@ -45,9 +45,12 @@ def reference(model_factory):
     return get
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, model_factory, reference):
-    llm = LLM(str(model_factory(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+def test_greedy_matches_transformers(arch, backend, model_factory, reference):
+    llm = LLM(str(model_factory(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              attention_backend=backend)
+    assert llm.engine.core.executor.runner.backend.name == backend
     prompts = _prompts(1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     _assert_matches(outputs, reference(arch, (1,)))

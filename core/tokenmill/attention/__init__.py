@@ -5,6 +5,7 @@ from tokenmill.attention.backend import (
     AttentionRequirements,
     KVCache,
     build_attention_backend,
+    create_attention_backend,
     select_attention_backend,
 )
 from tokenmill.attention.metadata import AttentionMetadata
@@ -15,5 +16,6 @@ __all__ = [
     "AttentionRequirements",
     "KVCache",
     "build_attention_backend",
+    "create_attention_backend",
     "select_attention_backend",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -10,6 +11,8 @@ import torch
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.errors import PluginError
 from tokenmill.plugins.specs import AttentionBackendSpec, resolve_qualname
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
@@ -48,14 +51,15 @@ class AttentionRequirements:
     preferred: str | None = None
 
 
-def select_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements) -> AttentionBackendSpec:
+def select_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements,
+                             exclude: frozenset[str] = frozenset()) -> AttentionBackendSpec:
     """Collect the registered backends, keep those that fit, let the hooks choose."""
     registered = {name: spec for name, (_, spec) in
                   plugins.collect_named("tokenmill_register_attention_backends", platform=platform).items()}
     if needs.preferred is not None and needs.preferred not in registered:
         raise PluginError(f"attention backend {needs.preferred!r} is not installed; have {sorted(registered)}")
-    candidates = [s for s in registered.values()
-                  if s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window)]
+    candidates = [s for s in registered.values() if s.name not in exclude
+                  and s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window)]
     chosen = plugins.hook.tokenmill_select_attention_backend(request=needs, candidates=candidates, platform=platform)
     if chosen is None:
         raise PluginError(f"no installed attention backend supports {needs}; registered: {sorted(registered)}")
@@ -65,3 +69,19 @@ def select_attention_backend(plugins: PluginManager, platform: Any, needs: Atten
 def build_attention_backend(spec: AttentionBackendSpec, **kwargs: Any) -> AttentionBackend:
     backend_cls = resolve_qualname(spec.qualname)
     return backend_cls(**kwargs)
+
+
+def create_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements,
+                             **kwargs: Any) -> AttentionBackend:
+    """Select and build a backend; one that fails to build (a kernel without its compiler, say)
+    is skipped for the next choice, unless the user asked for it by name."""
+    failed: set[str] = set()
+    while True:
+        spec = select_attention_backend(plugins, platform, needs, frozenset(failed))
+        try:
+            return build_attention_backend(spec, **kwargs)
+        except Exception as exc:
+            if needs.preferred is not None:
+                raise PluginError(f"attention backend {spec.name!r} failed to start: {exc}") from exc
+            logger.warning("attention backend %s failed to start (%s); choosing another", spec.name, exc)
+            failed.add(spec.name)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention import AttentionRequirements, build_attention_backend, select_attention_backend
+from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.checkpoint import Checkpoint
@@ -30,7 +30,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         sliding_window=any(layer.sliding_window for layer in layers),
         preferred=config.attention_backend,
     )
-    backend = build_attention_backend(select_attention_backend(plugins, platform, needs), block_size=config.block_size)
+    backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
     return ModelRunner(
         model=model,
         backend=backend,

@@ -1,0 +1,79 @@
+"""The CPU paged attention backend against a plain torch reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.layers import Attention
+from tokenmill_platform_cpu.attention import CpuPagedAttentionBackend
+from tokenmill_platform_cpu.kernels import kernels_available
+
+needs_kernel = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernel")
+
+BLOCK, HEADS, KV_HEADS, HEAD = 4, 4, 2, 8
+
+
+def _reference(q_all, k_all, v_all, context, seq, window):
+    """Attention of one request's new queries over its whole sequence, by the definition."""
+    q = q_all.transpose(0, 1)
+    k = k_all.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    v = v_all.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * HEAD**-0.5
+    qpos = torch.arange(context, seq)[:, None]
+    kpos = torch.arange(seq)[None, :]
+    allowed = kpos <= qpos
+    if window:
+        allowed &= qpos - kpos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_prefill_and_decode_batch_matches_reference(window):
+    torch.manual_seed(0)
+    # (tokens already cached, new tokens): decodes, a short chunk and long prefills
+    requests = [(9, 1), (0, 13), (3, 1), (6, 20), (0, 1), (11, 4)]
+    num_blocks = 64
+    key_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD)
+    value_cache = torch.zeros_like(key_cache)
+    free = list(torch.randperm(num_blocks).tolist())
+    tables, seq_keys, seq_values, slots = [], [], [], []
+    for context, new in requests:
+        seq = context + new
+        blocks = [free.pop() for _ in range(-(-seq // BLOCK))]
+        tables.append(blocks)
+        keys, values = torch.randn(seq, KV_HEADS, HEAD), torch.randn(seq, KV_HEADS, HEAD)
+        seq_keys.append(keys)
+        seq_values.append(values)
+        for pos in range(context):  # the cached part is already in the cache
+            key_cache[blocks[pos // BLOCK], pos % BLOCK] = keys[pos]
+            value_cache[blocks[pos // BLOCK], pos % BLOCK] = values[pos]
+        slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(context, seq)]
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query_lens = np.array([n for _, n in requests])
+    query_start = np.concatenate([[0], np.cumsum(query_lens)])
+    seq_lens = np.array([c + n for c, n in requests])
+    metadata = AttentionMetadata(
+        num_reqs=len(requests), num_actual_tokens=int(query_start[-1]), max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()), block_size=BLOCK, query_start_loc=torch.from_numpy(query_start),
+        seq_lens=torch.from_numpy(seq_lens), context_lens=torch.from_numpy(seq_lens - query_lens),
+        block_table=table, slot_mapping=torch.tensor(slots), query_start_loc_cpu=query_start,
+        seq_lens_cpu=seq_lens)
+    query = torch.randn(int(query_start[-1]), HEADS, HEAD)
+    new_keys = torch.cat([k[c:] for k, (c, _) in zip(seq_keys, requests, strict=True)])
+    new_values = torch.cat([v[c:] for v, (c, _) in zip(seq_values, requests, strict=True)])
+
+    backend = CpuPagedAttentionBackend()
+    layer = Attention(HEADS, HEAD, KV_HEADS, HEAD**-0.5, sliding_window=window)
+    metadata.backend_data = backend.prepare(metadata)
+    out = backend.forward(layer, query, new_keys, new_values, (key_cache, value_cache), metadata)
+    for i, (context, new) in enumerate(requests):
+        s, e = query_start[i], query_start[i + 1]
+        expected = _reference(query[s:e], seq_keys[i], seq_values[i], context, context + new, window)
+        torch.testing.assert_close(out[s:e], expected, atol=1e-5, rtol=1e-4)
+

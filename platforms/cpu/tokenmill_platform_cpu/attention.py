@@ -1,0 +1,117 @@
+"""The CPU platform's attention backend.
+
+Decode tokens (and other short queries) go through the C++ paged kernel,
+which reads each request's keys and values in place through its block table
+instead of gathering them into a padded copy first — the gather was half of a
+decode step's time with the SDPA reference backend. Long query chunks
+(prefills) go through torch SDPA per request, whose blocked kernel beats a
+per-token walk once a query attends to many keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention import AttentionMetadata, KVCache
+from tokenmill.layers import Attention
+from tokenmill_platform_cpu.kernels import load_kernels
+
+# Queries of at most this many tokens use the paged kernel.
+KERNEL_MAX_QUERY_LEN = 8
+
+
+@dataclass
+class _Chunk:
+    """A long query chunk of one request, attended with SDPA."""
+
+    start: int  # first token in the flattened batch
+    end: int
+    request: int
+    context_len: int  # tokens before the chunk
+    seq_len: int
+
+
+@dataclass
+class PagedStepData:
+    kernel_tokens: torch.Tensor | None  # flat indices of kernel tokens; None: every token
+    token_request: torch.Tensor  # [kernel tokens] their request's row in the block table
+    token_position: torch.Tensor  # [kernel tokens] their position in the sequence
+    chunks: list[_Chunk] = field(default_factory=list)
+    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+
+class CpuPagedAttentionBackend:
+    name = "cpu-paged"
+
+    def __init__(self, **_: object) -> None:
+        kernels = load_kernels()
+        if kernels is None:
+            raise RuntimeError("the CPU paged attention kernel could not be built")
+        self._kernel = kernels.paged_attention
+
+    def prepare(self, metadata: AttentionMetadata) -> PagedStepData:
+        query_start = metadata.query_start_loc_cpu
+        query_lens = np.diff(query_start)
+        context_lens = metadata.seq_lens_cpu - query_lens
+        short = query_lens <= KERNEL_MAX_QUERY_LEN
+        token_request = np.repeat(np.arange(len(query_lens)), query_lens)
+        token_position = context_lens[token_request] + np.arange(query_start[-1]) - query_start[:-1][token_request]
+        chunks = [_Chunk(int(query_start[i]), int(query_start[i + 1]), i, int(context_lens[i]),
+                         int(metadata.seq_lens_cpu[i])) for i in np.flatnonzero(~short)]
+        if not chunks:
+            return PagedStepData(None, torch.from_numpy(token_request), torch.from_numpy(token_position))
+        kernel_tokens = np.flatnonzero(short[token_request])
+        return PagedStepData(torch.from_numpy(kernel_tokens), torch.from_numpy(token_request[kernel_tokens]),
+                             torch.from_numpy(token_position[kernel_tokens]), chunks)
+
+    def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        flat_shape = (-1, layer.num_kv_heads, layer.head_size)
+        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        step: PagedStepData = metadata.backend_data
+        if step.kernel_tokens is None:
+            return self._paged(layer, query.contiguous(), kv_cache, metadata, step)
+        out = torch.empty_like(query)
+        if len(step.kernel_tokens):
+            out[step.kernel_tokens] = self._paged(layer, query[step.kernel_tokens].contiguous(), kv_cache,
+                                                  metadata, step)
+        for chunk in step.chunks:
+            out[chunk.start:chunk.end] = self._sdpa(layer, query[chunk.start:chunk.end], kv_cache, metadata,
+                                                    chunk, step)
+        return out
+
+    def _paged(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+               step: PagedStepData) -> torch.Tensor:
+        return self._kernel(query, kv_cache[0], kv_cache[1], metadata.block_table, step.token_request,
+                            step.token_position, layer.scale, layer.sliding_window or 0)
+
+    def _sdpa(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+              chunk: _Chunk, step: PagedStepData) -> torch.Tensor:
+        num_blocks = -(-chunk.seq_len // metadata.block_size)
+        blocks = metadata.block_table[chunk.request, :num_blocks]
+        shape = (-1, layer.num_kv_heads, layer.head_size)
+        k = kv_cache[0].index_select(0, blocks).view(shape)[: chunk.seq_len].transpose(0, 1)
+        v = kv_cache[1].index_select(0, blocks).view(shape)[: chunk.seq_len].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), k, v, attn_mask=self._mask(chunk, layer.sliding_window, step),
+            scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def _mask(chunk: _Chunk, window: int | None, step: PagedStepData) -> torch.Tensor:
+        """Causal (and windowed) mask of a chunk whose queries start at ``context_len``."""
+        key = (chunk.request, window)
+        if key not in step.masks:
+            query_pos = torch.arange(chunk.context_len, chunk.seq_len)[:, None]
+            key_pos = torch.arange(chunk.seq_len)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= (query_pos - key_pos) < window
+            step.masks[key] = mask
+        return step.masks[key]
