@@ -14,7 +14,7 @@ from tokenmill.sample.ops import (
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
-    exponential_race,
+    inverse_cdf_sample,
     random_sample,
 )
 from tokenmill.sample.penalties import apply_penalties, token_counts
@@ -38,7 +38,7 @@ __all__ = [
     "bitmask_penalty",
     "compute_logprobs",
     "compute_prompt_logprobs",
-    "exponential_race",
+    "inverse_cdf_sample",
     "gather_logprobs",
     "pad_token_ids",
     "random_sample",
