@@ -22,3 +22,11 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def llama_path(model_factory) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def fault_model_path(llama_path, tmp_path_factory) -> Path:
+    """The tiny Llama behind the fault-injection plugin (poison tokens in ``fault_model``)."""
+    from fault_model import build_fault_model
+
+    return build_fault_model(llama_path, tmp_path_factory.mktemp("faulty"))

@@ -318,3 +318,20 @@ def test_serve_against_tokenmill_serve(server: str, model_dir: Path, ctx: Datase
     assert r["model"] == str(model_dir) and r["request_throughput"] > 0 and r["output_throughput"] > 0
     for metric in ("ttft", "tpot", "itl", "e2el"):
         assert_ordered(r, metric)
+
+
+def test_structured_output_cost_runs_both_ways(model_dir: Path, tmp_path: Path) -> None:
+    r = bench_json(tmp_path, "throughput", ["--model", str(model_dir), *RANDOM_RUN, "--peak-gflops", "100",
+                                            "--structured-output", "regex", *ENGINE])
+    assert r["structured_output"] == "regex" and r["completed"] == 6 and r["ms_per_output_token"] > 0
+    c = bench_json(tmp_path, "throughput", ["--model", str(model_dir), *RANDOM_RUN, "--compare-structured", "2",
+                                            *ENGINE])
+    assert (c["benchmark"], c["structured_output"], c["rounds"]) == ("structured_output_cost", "json-schema", 2)
+    assert all(len(c["passes"][label]) == 2 for label in ("unconstrained", "constrained"))
+    assert c["unconstrained_output_tokens"] == sum(q["output_tokens"] for q in c["passes"]["unconstrained"][:1])
+    for label in ("unconstrained", "constrained"):
+        assert c[f"{label}_ms_per_output_token"] > 0 and c[f"{label}_mean_tpot_ms"] >= 0
+    assert "ms_per_output_token_overhead" in c
+    result = runner.invoke(app, ["bench", "throughput", "--model", str(model_dir), "--structured-output", "xml",
+                                 "--num-prompts", "1", *ENGINE])
+    assert result.exit_code == 2 and "structured-output" in result.output

@@ -26,6 +26,7 @@ from tokenmill_cli.engine_options import (
 
 _SERVER = "Server"
 _ENGINE = "Engine"
+_OPS = "Operations"
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def serve(
                                       rich_help_panel=_SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on", rich_help_panel=_SERVER)] = 8000,
     api_key: Annotated[str | None, typer.Option(envvar="TOKENMILL_API_KEY", show_envvar=True,
-                                                help="Require `Authorization: Bearer KEY` (all routes but /health)",
+                                                help="Require `Authorization: Bearer KEY` (all routes but /health, /ready, /metrics)",
                                                 rich_help_panel=_SERVER)] = None,
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="Name(s) clients use as `model` (repeatable) [default: the model argument]",
@@ -44,6 +45,12 @@ def serve(
     chat_template: Annotated[str | None, typer.Option(help="Chat template: a Jinja file or the template text",
                                                       rich_help_panel=_SERVER)] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error", rich_help_panel=_SERVER)] = "info",
+    tool_call_parser: Annotated[str | None, typer.Option(
+        help="Read replies into tool_calls with this registered parser (hermes, llama3_json, ...: see "
+             "`tokenmill plugins`); needed for tool_choice other than none", rich_help_panel=_SERVER)] = None,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice", help='Allow tool_choice "auto" (the model decides; its reply is parsed)',
+        rich_help_panel=_SERVER)] = False,
     dtype: Dtype = "auto",
     max_model_len: MaxModelLen = None,
     max_num_seqs: MaxNumSeqs = 64,
@@ -60,6 +67,27 @@ def serve(
     seed: Seed = 0,
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
+    request_timeout: Annotated[float | None, typer.Option(
+        help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
+             "overrides it) [default: none]", rich_help_panel=_OPS)] = None,
+    max_queued_requests: Annotated[int | None, typer.Option(
+        min=1, help="Most requests waiting for their first token; past it: 429 [default: no bound]",
+        rich_help_panel=_OPS)] = None,
+    max_queued_tokens: Annotated[int | None, typer.Option(
+        min=1, help="Most prompt tokens waiting for their first token; past it: 429 [default: no bound]",
+        rich_help_panel=_OPS)] = None,
+    shutdown_timeout: Annotated[float, typer.Option(
+        min=0, help="On SIGTERM, seconds running requests may take to finish before they are aborted",
+        rich_help_panel=_OPS)] = 30.0,
+    health_stall_timeout: Annotated[float, typer.Option(
+        min=0.001, help="/health turns 503 when the engine loop is stuck in one step this long",
+        rich_help_panel=_OPS)] = 30.0,
+    disable_log_stats: Annotated[bool, typer.Option(
+        "--disable-log-stats", help="No periodic engine summary line in the log", rich_help_panel=_OPS)] = False,
+    log_stats_interval: Annotated[float, typer.Option(
+        min=0.001, help="Seconds between two summary lines", rich_help_panel=_OPS)] = 5.0,
+    disable_metrics: Annotated[bool, typer.Option(
+        "--disable-metrics", help="No Prometheus metrics (and no /metrics route)", rich_help_panel=_OPS)] = False,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
     from tokenmill_cli.server.settings import load_chat_template
@@ -67,34 +95,57 @@ def serve(
     _configure_logging(log_level)
     try:
         template = load_chat_template(chat_template)
-        engine = AsyncLLM(model, **engine_kwargs(
+        _check_tool_options(tool_call_parser, enable_auto_tool_choice)
+        engine = AsyncLLM(model, max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
+                          **engine_kwargs(
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            block_size=block_size, seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins))
+            block_size=block_size, seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
+            request_timeout=request_timeout))
     except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
-    _run(engine, model, host, port, api_key, served_model_name, template, log_level)
+    operations: dict[str, Any] = {"shutdown_timeout": shutdown_timeout, "health_stall_timeout": health_stall_timeout,
+                                  "log_stats": not disable_log_stats, "log_stats_interval": log_stats_interval,
+                                  "enable_metrics": not disable_metrics}
+    # tool calling rides along with the other settings
+    operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+    _run(engine, model, host, port, api_key, served_model_name, template, log_level, operations)
+
+
+def _check_tool_options(parser: str | None, enable_auto: bool) -> None:
+    """Before the model loads: an unknown parser name fails now, listing the registered ones."""
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill_cli.server.tool_calls import parser_class
+
+    if enable_auto and parser is None:
+        raise InvalidRequestError("--enable-auto-tool-choice needs --tool-call-parser", param="tool_call_parser")
+    if parser is not None:
+        parser_class(parser)
 
 
 def _run(engine: Any, model: str | None, host: str, port: int, api_key: str | None,
-         served_model_name: list[str] | None, chat_template: str | None, log_level: str) -> None:
+         served_model_name: list[str] | None, chat_template: str | None, log_level: str,
+         operations: dict[str, Any]) -> None:
     import uvicorn
 
     from tokenmill_cli.server import ServerSettings, build_app
+    from tokenmill_cli.server.graceful import GracefulServer
 
     checkpoint_path = Path(engine.engine.core.checkpoint.path)
     settings = ServerSettings(
         served_model_names=served_model_name or [model or default_served_name(checkpoint_path)],
-        model_root=str(checkpoint_path), api_key=api_key or None, chat_template=chat_template)
+        model_root=str(checkpoint_path), api_key=api_key or None, chat_template=chat_template, **operations)
     app = build_app(engine, settings)
     logger.info("serving %s as %s on http://%s:%d/v1", checkpoint_path, ", ".join(settings.served_model_names),
                 host, port)
-    # uvicorn runs the app's lifespan, whose exit shuts the engine down
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
-                access_log=log_level.lower() in {"debug", "info"})
+    # uvicorn runs the app's lifespan, whose exit shuts the engine down; the drain comes before it.
+    # After the drain only finished responses are left to flush: a short graceful timeout suffices.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            access_log=log_level.lower() in {"debug", "info"}, timeout_graceful_shutdown=5)
+    GracefulServer(config, app.state.server.lifecycle, engine, settings.shutdown_timeout).run()
 
 
 def default_served_name(checkpoint_path: Path) -> str:

@@ -15,6 +15,7 @@ from tokenmill.errors import (
     InvalidStateTransition,
     ModelNotFoundError,
     PluginError,
+    QueueFullError,
     TokenmillError,
     UnsupportedModelError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "LLM",
     "ModelNotFoundError",
     "PluginError",
+    "QueueFullError",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

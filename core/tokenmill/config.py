@@ -43,6 +43,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    request_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="seconds from arrival after which a request ends with finish_reason 'timeout'; None: never")
 
     attention_backend: str | None = None
     structured_outputs_backend: str = Field(

@@ -41,3 +41,15 @@ class PluginError(TokenmillError, RuntimeError):
 
 class EngineDeadError(TokenmillError, RuntimeError):
     """The engine loop died; no request can make progress any more."""
+
+
+class QueueFullError(TokenmillError, RuntimeError):
+    """Admission control refused a request: too many requests or prompt tokens are queued.
+
+    ``limit`` names the bound that was hit (``max_queued_requests`` or
+    ``max_queued_tokens``); the request may be retried later.
+    """
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit

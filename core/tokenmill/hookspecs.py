@@ -117,7 +117,12 @@ def tokenmill_register_kv_connectors() -> list[KVConnectorSpec] | None:
 
 @hookspec
 def tokenmill_register_tool_parsers() -> dict[str, str] | None:
-    """Map tool-call parser names to ``"module:Class"`` qualnames. Collect hook."""
+    """Map tool-call parser names to ``"module:Class"`` qualnames. Collect hook.
+
+    Called in the server process when it starts (``--tool-call-parser NAME``) and by
+    ``tokenmill plugins``. The class implements :class:`tokenmill.tool_parsers.ToolParser`
+    and is imported only when chosen; names must be unique across plugins.
+    """
 
 
 @hookspec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -85,6 +87,12 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict",
                                       param="structured_outputs")
+        if self.logit_bias and not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                       for t in self.logit_bias):
+            raise InvalidRequestError("logit_bias keys must be token ids (integers)", param="logit_bias")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            # a NaN or inf bias would poison the whole logits row (the sampler guards too)
+            raise InvalidRequestError("logit_bias values must be finite numbers", param="logit_bias")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
 

@@ -133,3 +133,14 @@ def http(server: Server) -> Iterator[httpx.Client]:
     """Raw HTTP with the key, for the non-OpenAI routes and malformed requests."""
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def smollm_client(start_server) -> openai.OpenAI:
+    """The default model (SmolLM2-135M-Instruct) with the hermes tool-call parser and ``auto`` allowed;
+    ``.model`` is its served name."""
+    server = start_server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--tool-call-parser",
+                           "hermes", "--enable-auto-tool-choice"])
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client.model = client.models.list().data[0].id
+    return client

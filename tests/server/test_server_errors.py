@@ -96,7 +96,7 @@ CHAT_ERRORS = [
     (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
     (dict(extra_body={"continue_final_message": True, "add_generation_prompt": True}), "continue_final_message"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "xml"}), "response_format.type"),
 ]
 
 

@@ -119,8 +119,18 @@ def throughput(
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
+    structured_output: Annotated[str, typer.Option(
+        help="Constrain every request: none, json-schema, regex, choice or grammar (fixed constraints, "
+             "see tokenmill_cli.bench.structured)")] = "none",
+    compare_structured: Annotated[int, typer.Option(
+        min=0, help="Run the workload N times plain and N times constrained (--structured-output, default "
+                    "json-schema), alternating, and report the cost per output token both ways")] = 0,
+    disable_log_stats: Annotated[bool, typer.Option(
+        "--disable-log-stats", help="Run the engine without the server's stat loggers (Prometheus, the log "
+                                    "line), to measure what metrics cost")] = False,
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
+    from tokenmill_cli.bench.structured import constraint_of, print_comparison
     from tokenmill_cli.bench.throughput import ThroughputOptions, print_throughput, run_throughput
 
     dataset = DatasetOptions(
@@ -129,15 +139,21 @@ def throughput(
         random_prefix_len=random_prefix_len, prefix_len=prefix_len, suffix_len=suffix_len,
         num_prefixes=num_prefixes, prefix_output_len=prefix_output_len, sharegpt_output_len=sharegpt_output_len,
         dataset_path=dataset_path, custom_output_len=custom_output_len)
+    try:
+        constraint_of(structured_output)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--structured-output") from exc
     opts = ThroughputOptions(backend=backend, hf_batch_size=hf_batch_size, peak_gflops=peak_gflops,
-                             percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm)
+                             percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
+                             structured_output=structured_output, compare_structured_rounds=compare_structured,
+                             disable_log_stats=disable_log_stats)
     kwargs = engine_kwargs(
         tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
         seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
-    print_throughput(result)
+    (print_comparison if compare_structured else print_throughput)(result)
     _finish(result, output_json)
 
 

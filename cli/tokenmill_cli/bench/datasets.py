@@ -34,6 +34,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     prompt: str | None = None  # the text, for datasets that start from text (jsonl)
+    structured_outputs: dict[str, Any] | None = None  # a constraint (StructuredOutputsParams' JSON form)
 
     @property
     def prompt_len(self) -> int:

@@ -28,6 +28,8 @@ from tokenmill_cli.bench.datasets import (
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord, compute_metrics
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import roofline_json, useful_flops
+from tokenmill_cli.bench.stat_loggers import attach_stat_loggers, stat_logging_seconds
+from tokenmill_cli.bench.structured import compare, compile_grammar, constrain, ms_per_output_token
 from tokenmill_cli.bench.system import measure_peak_gflops, memory_json, process_start_time, startup_seconds
 
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 2
@@ -41,6 +43,9 @@ class ThroughputOptions:
     peak_gflops: float | None = None  # None: measure it
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     disable_tqdm: bool = False
+    structured_output: str = "none"  # a constraint kind of bench.structured, applied to every request
+    compare_structured_rounds: int = 0  # > 0: run plain and constrained this many times each, report both
+    disable_log_stats: bool = False  # no Prometheus logger and log line on the engine (the server has both)
 
 
 def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: DatasetOptions,
@@ -48,21 +53,32 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
     process_start = process_start_time()
     backend_name = canonical_backend(opts.backend)
     backend = create_backend(backend_name, model, engine_kwargs, opts.hf_batch_size)
+    log_stats = not opts.disable_log_stats and attach_stat_loggers(backend, model or "default")
     dataset = replace(dataset, name=canonical_name(dataset.name), max_model_len=backend.max_model_len)
     vocab = Vocabulary.from_tokenizer(backend.tokenizer, backend.vocab_size)
     requests = load_dataset(dataset, DatasetContext(backend.tokenizer, vocab))
     warmup = backend.run([_warmup_request(vocab, dataset.seed)], opts.temperature)
+    if opts.compare_structured_rounds:
+        kind = "json-schema" if opts.structured_output == "none" else opts.structured_output
+        return {**compare(backend, requests, kind, opts.temperature, opts.compare_structured_rounds),
+                "backend": backend_name, "model": model, "dataset_name": dataset.name, "num_prompts": len(requests),
+                "engine_args": engine_kwargs}
+    requests = constrain(requests, opts.structured_output)
+    compile_grammar(backend, requests, opts.temperature)
     startup_s = startup_seconds(_first_token(warmup), process_start)
     peak, peak_source = ((opts.peak_gflops, "--peak-gflops") if opts.peak_gflops
                          else (measure_peak_gflops(backend.device), "measured"))
 
     before = backend.counters()
+    logging_before = stat_logging_seconds(backend)
     bar = _progress(len(requests), opts.disable_tqdm)
     start = time.perf_counter()
     records = backend.run(requests, opts.temperature, on_finish=lambda: bar.update(1))
     duration = time.perf_counter() - start
     bar.close()
     counters = backend.counters().since(before)
+    logging_after = stat_logging_seconds(backend)
+    stat_logging_s = None if logging_before is None or logging_after is None else logging_after - logging_before
 
     metrics = compute_metrics(records, duration, opts.percentiles)
     result: dict[str, Any] = {
@@ -72,6 +88,8 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "device": str(backend.device),
         "dataset_name": dataset.name,
         "num_prompts": len(requests),
+        "structured_output": opts.structured_output,
+        "ms_per_output_token": ms_per_output_token(duration, records),
         "hf_batch_size": opts.hf_batch_size if backend_name == "hf" else None,
         "metric_percentiles": list(opts.percentiles),
         **metrics.as_json(),
@@ -88,6 +106,9 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         **memory_json(),
         "startup_s": startup_s,
         "engine_args": engine_kwargs,
+        "log_stats": log_stats,
+        "stat_logging_s": stat_logging_s,
+        "stat_logging_fraction": stat_logging_s / duration if stat_logging_s is not None and log_stats else None,
     }
     if backend.weights is not None:
         flops = useful_flops(backend.weights, records, counters.prefix_hits)
@@ -119,6 +140,7 @@ def _progress(total: int, disable: bool) -> Any:
 THROUGHPUT_ROWS: list[Row] = [
     ("Backend", "backend", ""),
     ("Dataset", "dataset_name", ""),
+    ("Structured output", "structured_output", ""),
     ("Successful requests", "completed", "d"),
     ("Failed requests", "failed", "d"),
     ("Benchmark duration (s)", "duration", ".2f"),
@@ -128,8 +150,10 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Input token throughput (tok/s)", "input_throughput", ".1f"),
     ("Output token throughput (tok/s)", "output_throughput", ".1f"),
     ("Total token throughput (tok/s)", "total_token_throughput", ".1f"),
+    ("ms per output token", "ms_per_output_token", ".3f"),
     ("Prefix cache hit rate", "prefix_cache_hit_rate", ".1%"),
     ("Preemptions", "num_preemptions", "d"),
+    ("Time in stat logging", "stat_logging_fraction", ".2%"),
     ("Achieved GFLOP/s (useful)", "achieved_gflops", ".2f"),
     ("Peak GFLOP/s", "peak_gflops", ".1f"),
     ("Roofline fraction", "roofline_fraction", ".2%"),

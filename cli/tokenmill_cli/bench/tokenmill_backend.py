@@ -45,7 +45,8 @@ class TokenmillBackend:
             for request in requests:
                 request_id = engine.next_request_id()
                 params = SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
-                                        max_tokens=request.output_len)
+                                        max_tokens=request.output_len,
+                                        structured_outputs=request.structured_outputs)
                 engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
                 records[request_id] = RequestRecord(request.prompt_len, start)
         except Exception:

@@ -1,4 +1,4 @@
-"""The FastAPI application: routers, error handlers, the API key, the engine's lifetime."""
+"""The FastAPI application: routers, error handlers, the API key, metrics, the engine's lifetime."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 import tokenmill
-from tokenmill_cli.server import chat, completions, embeddings, health, models, tokenization
+from tokenmill_cli.server import chat, completions, embeddings, health, metrics, models, tokenization
 from tokenmill_cli.server.auth import APIKeyMiddleware
 from tokenmill_cli.server.errors import install_error_handlers
+from tokenmill_cli.server.lifecycle import Lifecycle
+from tokenmill_cli.server.metrics import ServerMetrics
 from tokenmill_cli.server.settings import ServerSettings
 from tokenmill_cli.server.state import ServerState
 
@@ -22,19 +24,27 @@ ROUTERS = (models.router, completions.router, chat.router, embeddings.router, to
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool = True) -> FastAPI:
-    """An app serving ``engine``; with ``shutdown_engine`` the engine stops when the app does."""
+    """An app serving ``engine``; with ``shutdown_engine`` the engine stops when the app does.
+
+    The engine gets the server's stat loggers (Prometheus, the log line) here.
+    """
+    server_metrics = ServerMetrics(settings.default_model_name)
+    server_metrics.attach(engine, settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        server_metrics.close()
         if shutdown_engine:
             engine.shutdown()
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
                   description="An OpenAI-compatible API over a tokenmill engine.")
-    app.state.server = ServerState(engine, settings)
+    app.state.server = ServerState(engine, settings, Lifecycle(), server_metrics)
     for router in ROUTERS:
         app.include_router(router)
+    if settings.enable_metrics:
+        app.include_router(metrics.router)
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

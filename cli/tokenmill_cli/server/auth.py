@@ -1,4 +1,4 @@
-"""API-key check: ``Authorization: Bearer <key>`` on every route but ``/health``.
+"""API-key check: ``Authorization: Bearer <key>`` on every route but ``/health``, ``/ready`` and ``/metrics``.
 
 A plain ASGI middleware rather than a FastAPI dependency, so it also guards
 ``/openapi.json``, ``/docs`` and unknown paths, and never wraps streamed
@@ -13,7 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill_cli.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+# probes and Prometheus scrapers come without credentials (as with vLLM, /metrics is open)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 class APIKeyMiddleware:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
@@ -14,15 +14,16 @@ from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, exception_body, output_error
+from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs
 from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
+from tokenmill_cli.server.response_format import naming_errors, request_constraint
 from tokenmill_cli.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     new_id,
@@ -40,11 +41,13 @@ from tokenmill_cli.server.streaming import (
     stop_holdback,
     until_disconnected,
 )
+from tokenmill_cli.server.tool_calls import ChatTools, chat_constraint
 
 router = APIRouter(tags=["chat"])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES,
+             dependencies=[Depends(check_admitting)])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))
 
@@ -63,7 +66,11 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
 
 async def _serve(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     model = state.model_name(body.model)
-    params = chat_sampling_params(body)
+    tools = ChatTools.of_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                 state.settings.tool_call_parser, state.settings.enable_auto_tool_choice,
+                                 state.tokenizer)
+    constraint = chat_constraint(tools, request_constraint(body.structured_outputs, body.response_format))
+    params = chat_sampling_params(body, constraint.params if constraint else None)
     prompt_ids = chat_prompt_ids(state, body.messages, body)
     if len(prompt_ids) >= state.engine.max_model_len:
         raise InvalidRequestError(
@@ -71,20 +78,19 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
             f"context of {state.engine.max_model_len} tokens (max_model_len)", param="messages")
     request_id = new_id("chatcmpl")
     generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
-                                       priority=body.priority)
-    merged = merge_streams([generation])
-    view = _View(body, params, state.tokenizer)
+                                       priority=body.priority, timeout=body.timeout)
+    merged = merge_streams([naming_errors(generation, constraint)])
+    view = _View(body, params, state.tokenizer, tools)
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         stream = _Stream(request_id, model, view)
         return SSEResponse(request, stream.events(first[1], merged), on_close=merged.aclose)
     (final,) = await last_outputs(merged, 1)
-    for sample in final.outputs:
-        if (error := output_error(final.error, sample.finish_reason)) is not None:
-            raise error
-    choices = [ChatChoice(index=s.index, message=ChatResponseMessage(content=s.text),
-                          logprobs=view.logprobs(s, 0, len(s.token_ids)), finish_reason=s.finish_reason,
-                          stop_reason=s.stop_reason) for s in final.outputs]
+    if (error := output_error(final)) is not None:
+        raise error
+    choices = [ChatChoice(index=s.index, message=message, logprobs=view.logprobs(s, 0, len(s.token_ids)),
+                          finish_reason=finish_reason, stop_reason=s.stop_reason)
+               for s in final.outputs for message, finish_reason in [tools.reply(s.text, s.finish_reason)]]
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
     return JSONResponse(response.model_dump())
 
@@ -94,6 +100,7 @@ class _View:
     body: ChatCompletionRequest
     params: SamplingParams
     tokenizer: Any
+    tools: ChatTools
 
     def logprobs(self, sample: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -111,6 +118,7 @@ class _Stream:
     model: str
     view: _View
     trackers: dict[int, DeltaTracker] = field(default_factory=dict)
+    aborted: APIError | None = None  # the server ended the request: said after its last chunk
 
     async def events(self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         latest = first
@@ -126,6 +134,8 @@ class _Stream:
             if self.view.body.include_usage:
                 yield sse_event(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
                                                     usage=usage_of([latest])))
+            if self.aborted is not None:
+                yield sse_event(exception_body(self.aborted))
         except Exception as exc:  # the 200 is sent: report in-band, as OpenAI's streams do
             yield sse_event(exception_body(exc))
         yield DONE
@@ -134,16 +144,21 @@ class _Stream:
         return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
 
     def _chunks(self, output: RequestOutput) -> list[ChatCompletionChunk]:
+        if (error := output_error(output)) is not None:
+            if error.code != "request_aborted":
+                raise error
+            self.aborted = error  # the chunks (finish_reason "abort") still go out first
         chunks = []
         for sample in output.outputs:
-            if (error := output_error(output.error, sample.finish_reason)) is not None:
-                raise error
             tracker = self.trackers.setdefault(sample.index, DeltaTracker(stop_holdback(self.view.params.stop)))
             delta = tracker.advance(sample)
             if delta is None:
                 continue
+            message, finish_reason = self.view.tools.delta(sample.index, delta.text, delta.finish_reason)
+            logprobs = self.view.logprobs(sample, delta.token_start, delta.token_end)
+            if message.content is None and message.tool_calls is None and finish_reason is None and logprobs is None:
+                continue  # text the tool-call parser holds back: it goes out with a later chunk
             chunks.append(self._chunk(ChatStreamChoice(
-                index=sample.index, delta=DeltaMessage(content=delta.text or None),
-                logprobs=self.view.logprobs(sample, delta.token_start, delta.token_end),
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)))
+                index=sample.index, delta=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=delta.stop_reason)))
         return chunks

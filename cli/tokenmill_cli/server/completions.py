@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
@@ -18,7 +18,8 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, exception_body, output_error
+from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import completion_logprobs, merge_completion_logprobs, padded_logprobs
 from tokenmill_cli.server.protocol import CompletionRequest, Prompt
 from tokenmill_cli.server.responses import (
@@ -44,7 +45,8 @@ from tokenmill_cli.server.streaming import (
 router = APIRouter(tags=["completions"])
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES,
+             dependencies=[Depends(check_admitting)])
 async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))
 
@@ -65,7 +67,8 @@ async def _serve(body: CompletionRequest, state: ServerState, request: Request) 
     params = completion_sampling_params(body)
     prompts = engine_prompts(body.prompt)
     request_id = new_id("cmpl")
-    merged = merge_streams([state.engine.generate(p, params, request_id=f"{request_id}-{i}", priority=body.priority)
+    merged = merge_streams([state.engine.generate(p, params, request_id=f"{request_id}-{i}", priority=body.priority,
+                                                  timeout=body.timeout)
                             for i, p in enumerate(prompts)])
     view = _View(body, params, state.tokenizer)
     if body.stream:
@@ -74,9 +77,8 @@ async def _serve(body: CompletionRequest, state: ServerState, request: Request) 
         return SSEResponse(request, stream.events(first, merged), on_close=merged.aclose)
     finals = await last_outputs(merged, len(prompts))
     for output in finals:
-        for sample in output.outputs:
-            if (error := output_error(output.error, sample.finish_reason)) is not None:
-                raise error
+        if (error := output_error(output)) is not None:
+            raise error
     choices = [view.choice(i * params.n + s.index, out, s) for i, out in enumerate(finals) for s in out.outputs]
     response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals))
     return JSONResponse(response.model_dump())
@@ -124,6 +126,7 @@ class _Stream:
     num_prompts: int
     trackers: dict[int, DeltaTracker] = field(default_factory=dict)
     latest: dict[int, RequestOutput] = field(default_factory=dict)
+    aborted: APIError | None = None  # the server ended the request: said after its last chunk
 
     async def events(self, first: tuple[int, RequestOutput],
                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
@@ -136,16 +139,20 @@ class _Stream:
             if self.view.body.include_usage:
                 yield sse_event(CompletionResponse(id=self.request_id, model=self.model, choices=[],
                                                    usage=usage_of(list(self.latest.values()))))
+            if self.aborted is not None:
+                yield sse_event(exception_body(self.aborted))
         except Exception as exc:  # the 200 is sent: report in-band, as OpenAI's streams do
             yield sse_event(exception_body(exc))
         yield DONE
 
     def _chunks(self, prompt_index: int, output: RequestOutput) -> list[CompletionResponse]:
         self.latest[prompt_index] = output
+        if (error := output_error(output)) is not None:
+            if error.code != "request_aborted":
+                raise error
+            self.aborted = error  # the chunks (finish_reason "abort") still go out first
         chunks = []
         for sample in output.outputs:
-            if (error := output_error(output.error, sample.finish_reason)) is not None:
-                raise error
             choice = self._choice(prompt_index * self.view.params.n + sample.index, output, sample)
             if choice is not None:
                 chunks.append(CompletionResponse(id=self.request_id, model=self.model, choices=[choice]))

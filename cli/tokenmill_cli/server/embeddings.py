@@ -7,13 +7,14 @@ import base64
 import sys
 from array import array
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill_cli.server.completions import engine_prompts
 from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError
+from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.protocol import EmbeddingRequest
 from tokenmill_cli.server.responses import EmbeddingData, EmbeddingResponse, Usage
 from tokenmill_cli.server.state import ServerState, State
@@ -22,7 +23,8 @@ from tokenmill_cli.server.streaming import until_disconnected
 router = APIRouter(tags=["embeddings"])
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES,
+             dependencies=[Depends(check_admitting)])
 async def create_embedding(body: EmbeddingRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state))
 

@@ -1,8 +1,9 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every client mistake maps to a 4xx naming the parameter at fault; only
-an engine failure is a 5xx. The handlers here are the single place where
-exceptions become HTTP answers.
+Every client mistake maps to a 4xx naming the parameter at fault; a full
+queue is a 429 with ``Retry-After``; only the server's own failures are 5xx
+(the engine failing a request or dying: 500; shutting down: 503). The
+handlers here are the single place where exceptions become HTTP answers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tokenmill.outputs import RequestOutput
 from tokenmill_cli.server.responses import ErrorInfo, ErrorResponse
 
 _MAX_REPORTED_ERRORS = 3
@@ -41,7 +43,13 @@ def _error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=message, type=type or _error_type(status), param=param, code=code))
+    return ErrorResponse(error=ErrorInfo(message=_encodable(message), type=type or _error_type(status),
+                                         param=None if param is None else _encodable(param), code=code))
+
+
+def _encodable(text: str) -> str:
+    """Messages echo what the client sent; a lone surrogate in it would make the answer itself fail."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -60,6 +68,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(QueueFullError, _queue_full)
+    app.add_exception_handler(UnicodeEncodeError, _unencodable)
     app.add_exception_handler(Exception, _unexpected)
 
 
@@ -85,7 +95,26 @@ async def _http_exception(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _engine_dead(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc), code="engine_dead")
+    return error_response(500, str(exc), code="engine_dead")
+
+
+async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
+    """Counted where it is refused (``AdmissionQueue.on_reject``), not here: a client that left
+    meanwhile never gets this answer, yet its request was refused."""
+    assert isinstance(exc, QueueFullError)
+    state = request.app.state.server
+    response = error_response(429, str(exc), code="queue_full", type="rate_limit_error")
+    response.headers["Retry-After"] = str(state.settings.retry_after_s)
+    return response
+
+
+async def _unencodable(request: Request, exc: Exception) -> JSONResponse:
+    """JSON may escape a lone surrogate (``"\\ud800"``), even in a field name, which pydantic then
+    cannot read: the client's text is at fault, not the server."""
+    assert isinstance(exc, UnicodeEncodeError)
+    if exc.reason == "surrogates not allowed":
+        return error_response(400, "the request holds text that is not valid Unicode (a lone surrogate)")
+    return await _unexpected(request, exc)
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -125,6 +154,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "an invalid parameter, named in `error.param`"},
     401: {"model": ErrorResponse, "description": "a missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "an unknown model"},
+    429: {"model": ErrorResponse, "description": "the queue is full (--max-queued-requests/-tokens); see Retry-After"},
+    500: {"model": ErrorResponse, "description": "the engine failed the request, or died"},
+    503: {"model": ErrorResponse, "description": "the server is shutting down"},
 }
 
 
@@ -135,12 +167,21 @@ def exception_body(exc: BaseException) -> ErrorResponse:
     if isinstance(exc, InvalidRequestError):
         return error_body(400, str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
-        return error_body(503, str(exc), code="engine_dead")
+        return error_body(500, str(exc), code="engine_dead")
     return error_body(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def output_error(error: str | None, finish_reason: str | None) -> APIError | None:
-    """A request the engine ended with an error, as the error to answer with."""
-    if error is None and finish_reason != "error":
-        return None
-    return APIError(500, f"the engine failed this request: {error or 'unknown error'}")
+def output_error(output: RequestOutput) -> APIError | None:
+    """The error to answer with for a request the engine ended badly, or None.
+
+    One failed sample fails the whole request (500). ``abort`` reaches a
+    client only when the server ended the request (shutdown): a 503 saying
+    why. ``timeout`` is no error: the output so far is the answer, and its
+    finish_reason says it was cut.
+    """
+    reasons = {sample.finish_reason for sample in output.outputs}
+    if "error" in reasons:
+        return APIError(500, f"the engine failed this request: {output.error or 'unknown error'}")
+    if "abort" in reasons:
+        return APIError(503, output.error or "the request was aborted", code="request_aborted")
+    return None

@@ -1,9 +1,16 @@
-"""Operational routes: ``/health`` (no key needed), ``/version``, ``/engine/stats``."""
+"""Operational routes: ``/health`` and ``/ready`` (no key needed), ``/version``, ``/engine/stats``.
+
+``/health`` is liveness: 503 once the engine loop died, or while it has not
+gone round for ``health_stall_timeout`` seconds (a hung step); an idle loop
+still goes round every few tens of milliseconds, so only a stuck step ages
+the heartbeat. ``/ready`` is readiness: 200 while the model is loaded and
+requests are admitted, 503 while draining or once the engine is gone.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill_cli.server.errors import error_response
@@ -15,10 +22,25 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/health", response_model=None)
 async def health(state: State) -> Response:
-    """200 while the engine loop runs; 503 once it has died (so an orchestrator restarts us)."""
-    if not state.engine.is_running:
-        return error_response(503, "the engine loop is not running", code="engine_dead")
+    """200 while the engine loop runs; 503 once it has died or hangs (so an orchestrator restarts us)."""
+    engine = state.engine
+    if not engine.is_running:
+        return error_response(503, f"the engine loop is not running ({engine.dead_reason})", code="engine_dead")
+    stalled = engine.seconds_since_heartbeat()
+    if stalled > state.settings.health_stall_timeout:
+        return error_response(503, f"the engine loop has not gone round for {stalled:.1f} s "
+                                   f"(threshold {state.settings.health_stall_timeout:g} s)", code="engine_stalled")
     return Response(status_code=200)
+
+
+@router.get("/ready", response_model=None)
+async def ready(state: State) -> Response:
+    """200 when the model is loaded and new requests are admitted; 503 while draining or dead."""
+    if not state.engine.is_running:
+        return error_response(503, "the engine is not running", code="engine_dead")
+    if state.lifecycle.draining:
+        return error_response(503, "the server is shutting down", code="server_shutting_down")
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/version")
@@ -30,12 +52,19 @@ async def version() -> VersionResponse:
 async def engine_stats(state: State) -> EngineStats:
     """Queue lengths and KV-cache occupancy, read without locking: a snapshot for dashboards
     and tests (each number is read atomically; together they may be a step apart)."""
-    core = state.engine.engine.core
+    engine = state.engine
+    core = engine.engine.core
     return EngineStats(
         running=len(core.scheduler.running),
         waiting=len(core.scheduler.waiting),
-        unfinished=state.engine.engine.output_processor.num_unfinished,
+        unfinished=engine.engine.output_processor.num_unfinished,
         kv_blocks_free=core.kv_manager.num_free_blocks,
         kv_blocks_total=core.kv_manager.num_blocks,
         client_disconnects=state.client_disconnects,
+        in_flight=engine.num_requests,
+        queued=engine.admission.num_requests,
+        queued_tokens=engine.admission.num_tokens,
+        deadlines=len(engine.engine.deadlines),
+        seconds_since_heartbeat=engine.seconds_since_heartbeat(),
+        draining=state.lifecycle.draining,
     )

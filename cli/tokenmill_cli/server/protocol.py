@@ -9,6 +9,7 @@ reports them on the whole body.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -79,6 +80,12 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's constraint extra: one of json (a schema), json_object, regex, choice, grammar "
+                          "(EBNF), structural_tag; with disable_any_whitespace")
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                  description="seconds after which the request ends with finish_reason 'timeout', "
+                                              "keeping what it generated (default: --request-timeout)")
 
     @property
     def include_usage(self) -> bool:
@@ -123,8 +130,31 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _check_tool_message(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError("a tool message needs the tool_call_id it answers", param="messages")
+        return self
+
     def for_template(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        message = self.model_dump(exclude_none=True)
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+            message.setdefault("content", "")  # a template may concatenate it: None would not render
+        return message
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """Chat templates write a call's arguments as an object (``arguments | tojson``); OpenAI
+    sends them as JSON text, so parse them, as vLLM does, or they would be quoted twice."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatRendering(BaseModel):
@@ -142,16 +172,16 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tool_choice: Any = Field(None, description="accepted for compatibility; tool calls are not parsed yet")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} for now")
+    tool_choice: Any = Field(None, description='"none", "auto" (the default with tools), "required" or '
+                                                '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool = Field(True, description="with a forced tool choice, allow more than one call")
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object, or json_schema "
+                                                                     "({'json_schema': {'name', 'schema'}})")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            # refused rather than ignored: a client asking for JSON must not silently get free text
-            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
         return self
 
 

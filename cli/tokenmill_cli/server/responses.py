@@ -85,9 +85,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, as JSON text")
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -107,9 +119,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call ``index``: its id, type and name come once, in its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -179,3 +206,9 @@ class EngineStats(BaseModel):
     kv_blocks_free: int
     kv_blocks_total: int
     client_disconnects: int = Field(description="requests ended early because their client went away")
+    in_flight: int = Field(0, description="engine requests with an open output stream")
+    queued: int = Field(0, description="requests admitted and waiting for their first token (admission control)")
+    queued_tokens: int = Field(0, description="their prompt tokens")
+    deadlines: int = Field(0, description="requests with a pending timeout")
+    seconds_since_heartbeat: float = Field(0.0, description="since the engine loop last went round")
+    draining: bool = Field(False, description="shutting down: no request is admitted")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from tokenmill import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill_cli.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenmill_cli.server.response_format import request_constraint
 
 _LOGIT_BIAS_LIMIT = 100.0
 
@@ -17,17 +19,21 @@ _LOGIT_BIAS_LIMIT = 100.0
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     # echo with logprobs returns the prompt's logprobs too, as OpenAI's legacy endpoint does
     prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-    return _sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+    constraint = request_constraint(request.structured_outputs)
+    return _sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs,
+                            constraint.params if constraint else None)
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(request: ChatCompletionRequest,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """``structured_outputs``: the request's constraint (response_format, a forced tool call, ...)."""
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, max_tokens, logprobs, None)
+    return _sampling_params(request, max_tokens, logprobs, None, structured_outputs)
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None) -> SamplingParams:
+                     prompt_logprobs: int | None, structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
     return SamplingParams(
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -48,6 +54,7 @@ def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: 
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=parse_logit_bias(request.logit_bias),
+        structured_outputs=structured_outputs,
     )
 
 

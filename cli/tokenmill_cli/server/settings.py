@@ -13,8 +13,20 @@ class ServerSettings(BaseModel):
     served_model_names: list[str] = Field(min_length=1, description="names a request's `model` may use; the first "
                                                                     "is the one responses report")
     model_root: str = Field(description="the checkpoint the names stand for (shown in /v1/models)")
-    api_key: str | None = Field(None, description="when set, every route but /health needs `Bearer <key>`")
+    api_key: str | None = Field(None, description="when set, every route but /health, /ready and /metrics needs `Bearer <key>`")
     chat_template: str | None = Field(None, description="overrides the tokenizer's chat template")
+    tool_call_parser: str | None = Field(None, description="the registered tool-call parser that reads replies "
+                                                           "into tool_calls (tokenmill plugins lists them)")
+    enable_auto_tool_choice: bool = Field(False, description='let tool_choice "auto" parse free replies for calls')
+    # operations: see docs/operations.md
+    enable_metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
+    log_stats: bool = Field(True, description="log a one-line engine summary every log_stats_interval seconds")
+    log_stats_interval: float = Field(5.0, gt=0)
+    health_stall_timeout: float = Field(30.0, gt=0, description="/health is 503 when the engine loop has not "
+                                                                "gone round for this long (a hung step)")
+    shutdown_timeout: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish "
+                                                            "before they are aborted")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 (admission control)")
 
     @property
     def default_model_name(self) -> str:

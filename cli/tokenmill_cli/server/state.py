@@ -12,12 +12,16 @@ from tokenmill_cli.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.async_llm import AsyncLLM
+    from tokenmill_cli.server.lifecycle import Lifecycle
+    from tokenmill_cli.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerState:
     engine: AsyncLLM
     settings: ServerSettings
+    lifecycle: Lifecycle
+    metrics: ServerMetrics
     client_disconnects: int = 0  # requests whose client left before the answer was complete
 
     @property

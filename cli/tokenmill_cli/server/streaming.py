@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -96,38 +96,41 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Respon
 
 
 # -- several engine requests as one stream ------------------------------------------------
-_END = object()
-
-
 async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
-    """Interleave several async iterators as ``(index, item)``; an error in one ends all.
+    """Interleave several streams of cumulative outputs as ``(index, item)``; an error in one ends all.
 
-    Each source runs in its own task, so closing the merged stream (or its
-    task being cancelled) cancels them, and an engine generator cancelled
-    mid-wait aborts its request.
+    Each item supersedes the one before it from the same source, so only the newest of each
+    source waits for the consumer: a client that reads slowly holds one output per source,
+    not one per engine step (each of which repeats the whole text so far).
+
+    Each source runs in its own task, so closing the merged stream (or its task being
+    cancelled) cancels them, and an engine generator cancelled mid-wait aborts its request.
     """
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    newest: dict[int, T] = {}
+    ended: set[int] = set()
+    errors: list[Exception] = []
+    wake = asyncio.Event()
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:
         try:
             async for item in stream:
-                queue.put_nowait((index, item))
+                newest[index] = item
+                wake.set()
         except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
+            errors.append(exc)
         finally:
-            queue.put_nowait((index, _END))
+            ended.add(index)
+            wake.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
+        while newest or len(ended) < len(tasks):
+            await wake.wait()
+            wake.clear()
+            for index in sorted(newest):
+                yield index, newest.pop(index)
+            if errors:
+                raise errors[0]
     finally:
         for task in tasks:  # synchronous, so it happens even if this cleanup is cancelled itself
             task.cancel()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.deadlines import Deadlines
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidStateTransition
@@ -43,7 +44,10 @@ class LLMEngine:
                                               self.core.extra_stop_token_ids,
                                               validate_structured_outputs=self.core.structured_output.validate)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.deadlines = Deadlines()
         self._ids = itertools.count()
+        self._failed_loggers: set[int] = set()
+        self.stat_logging_seconds = 0.0  # time spent recording statistics: what metrics cost
 
     @property
     def max_model_len(self) -> int:
@@ -64,17 +68,23 @@ class LLMEngine:
                                                           priority)
         return PreparedRequest(request_id, processed, requests)
 
-    def add_prepared(self, prepared: PreparedRequest) -> None:
+    def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None) -> None:
+        """Queue a prepared request; it ends with finish_reason ``timeout`` once ``timeout`` seconds
+        (default: ``config.request_timeout``) have passed since now."""
         if self.output_processor.has_request(prepared.request_id):
             raise ValueError(f"request id {prepared.request_id!r} is already running")
         self.output_processor.add_request(prepared.request_id, prepared.prompt.text, prepared.prompt.token_ids,
                                           [(r.request_id, r.sampling_params) for r in prepared.requests])
         for request in prepared.requests:
             self.core.add_request(request)
+        timeout = self.config.request_timeout if timeout is None else timeout
+        if timeout is not None:
+            self.deadlines.add(prepared.request_id, time.monotonic(), timeout)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    timeout: float | None = None) -> None:
         """Validate and queue one request; raises ``InvalidRequestError`` and queues nothing if it is bad."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, priority))
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority), timeout)
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       error: str | None = None) -> RequestOutput | None:
@@ -87,19 +97,43 @@ class LLMEngine:
         output = None
         for child in children:
             output = self.output_processor.finish(child, status, error) or output
+        self.deadlines.discard(request_id)
         self._record_stats()
         return output
+
+    def abort_all(self, error: str | None = None) -> list[RequestOutput]:
+        """Abort every unfinished request (server shutdown), each with ``error`` as its message."""
+        return [out for rid in self.output_processor.request_ids()
+                if (out := self.abort_request(rid, error=error)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
+        timed_out = self._expire_deadlines()
         step_start = time.monotonic()
         core_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process(core_outputs, step_start)
-        if stopped:
-            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        processed = self.output_processor.process(core_outputs, step_start)
+        if processed.stopped:
+            self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        if processed.failed:
+            self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+        for output in processed.outputs:
+            if output.finished:
+                self.deadlines.discard(output.request_id)
         self._record_stats(self.core.last_num_scheduled_tokens)
+        return timed_out + processed.outputs
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        if not len(self.deadlines):
+            return []
+        outputs = []
+        for expired in self.deadlines.pop_expired(time.monotonic()):
+            if self.output_processor.has_request(expired.request_id):
+                output = self.abort_request(expired.request_id, RequestStatus.FINISHED_TIMEOUT,
+                                            f"the request timed out after {expired.timeout_s:g} s")
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
     def scheduler_snapshot(self) -> SchedulerSnapshot:
@@ -116,11 +150,18 @@ class LLMEngine:
     def _record_stats(self, num_scheduled_tokens: int = 0) -> None:
         if not self.stat_loggers:
             return
+        start = time.perf_counter()
         iteration = self.output_processor.take_stats()
         iteration.num_scheduled_tokens = num_scheduled_tokens
         snapshot = self.scheduler_snapshot()
         for stat_logger in self.stat_loggers:
-            stat_logger.record(snapshot, iteration)
+            try:
+                stat_logger.record(snapshot, iteration)
+            except Exception:  # metrics must never take the engine down
+                if id(stat_logger) not in self._failed_loggers:
+                    self._failed_loggers.add(id(stat_logger))
+                    logger.exception("stat logger %r failed (reported once)", stat_logger)
+        self.stat_logging_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:
         self.core.shutdown()

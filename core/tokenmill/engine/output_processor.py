@@ -3,6 +3,7 @@ apply stop strings, gather logprobs, and merge the ``n`` samples of a request.""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,15 @@ from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, Request
 from tokenmill.request import RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    stopped: list[str]  # core requests a stop string ended: the core must finish them
+    failed: list[str]  # core requests whose output processing raised: the core must fail them
 
 
 @dataclass
@@ -86,16 +96,18 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         return list(self._parents[request_id].samples) if request_id in self._parents else []
 
+    def request_ids(self) -> list[str]:
+        return list(self._parents)
+
     @property
     def num_unfinished(self) -> int:
         return len(self._parents)
 
-    def process(self, core_outputs: list[EngineCoreOutput],
-                step_start: float | None = None) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests' outputs, and the core requests that a stop string ended."""
+    def process(self, core_outputs: list[EngineCoreOutput], step_start: float | None = None) -> ProcessedOutputs:
+        """The updated requests' outputs, and the core requests a stop string ended or that failed here."""
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
-        stopped: list[str] = []
+        result = ProcessedOutputs([], [], [])
         for out in core_outputs:
             parent_id = self._parent_of.get(out.req_id)
             if parent_id is None:
@@ -103,12 +115,20 @@ class OutputProcessor:
             parent = self._parents[parent_id]
             sample = parent.samples[out.req_id]
             self._time_step(out, step_start if step_start is not None else now, now)
-            if self._update_sample(parent, sample, out):
-                stopped.append(out.req_id)
+            try:
+                if self._update_sample(parent, sample, out):
+                    result.stopped.append(out.req_id)
+            except Exception as exc:  # e.g. the detokenizer: this request fails, the batch goes on
+                logger.warning("request %s failed in output processing: %r", out.req_id, exc)
+                sample.finish_reason = RequestStatus.FINISHED_ERROR.finish_reason
+                parent.error = parent.error or f"output processing failed: {type(exc).__name__}: {exc}"
+                if out.finish_status is None:  # still live in the core: the engine must end it there
+                    result.failed.append(out.req_id)
             if sample.finish_reason is not None:
                 self._finish_timer(out.req_id, sample.finish_reason, now)
             touched[parent_id] = parent
-        return [self._emit(parent) for parent in touched.values()], stopped
+        result.outputs = [self._emit(parent) for parent in touched.values()]
+        return result
 
     def _time_step(self, out: EngineCoreOutput, step_start: float, now: float) -> None:
         timer = self._timers.get(out.req_id)

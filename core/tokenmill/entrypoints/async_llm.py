@@ -1,10 +1,16 @@
 """The streaming API: the engine steps in its own thread, each request is an
 async generator of cumulative ``RequestOutput``s.
 
-Input validation runs in the caller (bad input raises at once); adds and
-aborts travel to the engine thread through a command queue, so the engine's
-state is only ever touched by that thread. Outputs are cumulative, so a slow
-consumer simply skips to the newest one and never falls behind.
+Input validation and admission control run in the caller (bad input raises
+at once, a full queue raises ``QueueFullError``); adds and aborts travel to
+the engine thread through a command queue, so the engine's state is only
+ever touched by that thread. Outputs are cumulative, so a slow consumer
+simply skips to the newest one and never falls behind.
+
+The engine thread stamps a heartbeat on every loop iteration (at least every
+``_IDLE_WAIT_S`` when idle), so a health check can tell a stuck loop from a
+busy one. If the loop dies, every open stream and every later call raises
+``EngineDeadError`` at once.
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.errors import EngineDeadError
+from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
+from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
+from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.metrics.stats import StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -31,34 +40,63 @@ _IDLE_WAIT_S = 0.05
 
 
 class _Stream:
-    """The output channel of one request, fed from the engine thread."""
+    """The output channel of one request, fed from the engine thread.
+
+    Outputs are cumulative, so only the newest is kept: a consumer that falls
+    behind skips to it, and a slow one holds one output, not one per step. An
+    error, or the final output, is never replaced by what comes after it.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._offer, item)
+
+    def _offer(self, item: RequestOutput | BaseException) -> None:
+        held = self._item
+        if isinstance(held, BaseException) or (held is not None and held.finished):
+            return
+        self._item = item
+        self._ready.set()
 
     async def next(self) -> RequestOutput:
-        item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()  # cumulative outputs: only the newest matters
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             raise item
+        assert item is not None
         return item
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    """``AsyncLLM(model, **EngineConfig fields)``.
+
+    ``stat_loggers`` receive the engine's statistics after every step (in the
+    engine thread); ``max_queued_requests`` / ``max_queued_tokens`` bound the
+    requests waiting for their first token (see :mod:`tokenmill.entrypoints.admission`).
+    """
+
+    def __init__(self, model: str | None = None, *, stat_loggers: Sequence[StatLogger] | None = None,
+                 max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
+                 **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, stat_loggers=list(stat_loggers or []))
         self.tokenizer = self.engine.tokenizer
+        self.admission = AdmissionQueue(AdmissionLimits(max_queued_requests, max_queued_tokens))
         self._commands: queue.SimpleQueue[tuple[str, Any, Future[Any]]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self._heartbeat = time.monotonic()
         self._stopping = threading.Event()
+        self._handlers: dict[str, Callable[[Any], Any]] = {
+            "add": self._add, "abort": self._abort, "abort_all": self._abort_all,
+            "stat_logger": self.engine.stat_loggers.append,
+        }
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
@@ -70,47 +108,88 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine loop stopped (its exception), or None while it runs."""
+        return None if self._dead is None else _describe(self._dead)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight: submitted and not yet ended (their streams are open)."""
+        return len(self._streams)
+
+    def seconds_since_heartbeat(self) -> float:
+        """Time since the engine loop last went round; large while a step hangs."""
+        return time.monotonic() - self._heartbeat
+
     # -- public API -------------------------------------------------------
     async def embed(self, prompt: PromptType, pooling: str = "last", request_id: str | None = None) -> list[float]:
         """The embedding of ``prompt`` (``last`` token or ``mean`` pooling of the final hidden states)."""
         final = None
         async for output in self._stream(prompt, None, request_id, 0, pooling):
             final = output
-        assert final is not None and final.embedding is not None
+        if final is None or final.embedding is None:  # aborted (shutdown) or failed
+            reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
+            raise RuntimeError(f"the embedding request ended without a result ({reason}: "
+                               f"{final.error if final is not None else None})")
         return final.embedding
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, priority: int = 0,
+                 timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes.
 
         Leaving the loop early (a client that disconnects) aborts the request
-        and frees its KV blocks.
+        and frees its KV blocks. After ``timeout`` seconds (default: the
+        config's ``request_timeout``) the request ends with finish_reason
+        ``timeout``, keeping what it generated.
         """
-        return self._stream(prompt, sampling_params or SamplingParams(), request_id, priority, None)
+        if timeout is not None and not timeout > 0:
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout}", param="timeout")
+        return self._stream(prompt, sampling_params or SamplingParams(), request_id, priority, None, timeout)
 
     async def _stream(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
-                      priority: int, pooling: str | None) -> AsyncIterator[RequestOutput]:
+                      priority: int, pooling: str | None, timeout: float | None = None,
+                      ) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:  # its outputs would go to the other stream
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling)
+        self.admission.admit(request_id, len(prepared.prompt.token_ids) * len(prepared.requests))
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._call("add", prepared)
+            await self._call("add", (prepared, timeout))
             while not finished:
                 output = await stream.next()
+                self.admission.release(request_id)  # it has started: no longer waiting in the queue
                 finished = output.finished
                 yield output
         finally:
+            self.admission.release(request_id)
             self._streams.pop(request_id, None)
             if not finished and self._dead is None:
-                self._commands.put(("abort", request_id, Future()))
+                self._commands.put(("abort", (request_id, None), Future()))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a running request; raises ``InvalidStateTransition`` if it is finished or unknown."""
+    async def abort(self, request_id: str, message: str | None = None) -> None:
+        """Abort a running request (finish_reason ``abort``, ``message`` as its error);
+        raises ``InvalidStateTransition`` if it is finished or unknown."""
         self._check_alive()
-        await self._call("abort", request_id)
+        await self._call("abort", (request_id, message))
+
+    async def abort_all(self, message: str | None = None) -> int:
+        """Abort every unfinished request (server shutdown); returns how many were aborted."""
+        self._check_alive()
+        return await self._call("abort_all", message)
+
+    def add_stat_logger(self, stat_logger: StatLogger, timeout: float = 10.0) -> None:
+        """Attach a stat logger to the running engine (from any thread but the engine's)."""
+        self._check_alive()
+        future: Future[Any] = Future()
+        self._commands.put(("stat_logger", stat_logger, future))
+        future.result(timeout)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -125,20 +204,28 @@ class AsyncLLM:
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead}")
+            raise EngineDeadError(f"the engine loop died: {_describe(self._dead)}")
 
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._heartbeat = time.monotonic()
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
         except BaseException as exc:
             logger.exception("engine loop died")
-            self._dead = exc
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"the engine loop died: {exc}"))
-            self._fail_pending_commands(exc)
+            self._die(exc)
+        else:
+            self._die(RuntimeError("the engine was shut down"))
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail everything still waiting, at once: no caller is left hanging."""
+        self._dead = exc
+        error = EngineDeadError(f"the engine loop died: {_describe(exc)}")
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        self._fail_pending_commands(exc)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -153,17 +240,32 @@ class AsyncLLM:
                 return
 
     def _execute(self, command: str, payload: Any, future: Future[Any]) -> None:
+        # A caller cancelled while waiting (a client that left) cancels the future, not the
+        # command: an add still happens (its abort follows), so every request is accounted for.
+        # Once marked running, the future can no longer be cancelled under our feet.
+        waited_for = future.set_running_or_notify_cancel()
         try:
-            if command == "add":
-                self.engine.add_prepared(payload)
-                result = None
-            else:
-                result = self.engine.abort_request(payload)
-                self._dispatch([result] if result is not None else [])
+            result = self._handlers[command](payload)
         except Exception as exc:  # reported to the caller, the loop goes on
-            future.set_exception(exc)
+            if waited_for:
+                future.set_exception(exc)
         else:
-            future.set_result(result)
+            if waited_for:
+                future.set_result(result)
+
+    def _add(self, payload: tuple[PreparedRequest, float | None]) -> None:
+        prepared, timeout = payload
+        self.engine.add_prepared(prepared, timeout)
+
+    def _abort(self, payload: tuple[str, str | None]) -> None:
+        request_id, message = payload
+        output = self.engine.abort_request(request_id, error=message)
+        self._dispatch([output] if output is not None else [])
+
+    def _abort_all(self, message: str | None) -> int:
+        outputs = self.engine.abort_all(message)
+        self._dispatch(outputs)
+        return len(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -177,7 +279,12 @@ class AsyncLLM:
                 _, _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(EngineDeadError(f"the engine loop died: {exc}"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(f"the engine loop died: {_describe(exc)}"))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 __all__ = ["AsyncLLM"]

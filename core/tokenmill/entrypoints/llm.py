@@ -10,6 +10,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.chat import Message, render_chat
+from tokenmill.metrics.stats import StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -22,9 +23,10 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``seed``, ...).
     """
 
-    def __init__(self, model: str | None = None, *, show_progress: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, show_progress: bool = False,
+                 stat_loggers: Sequence[StatLogger] | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, progress=show_progress)
+        self.engine = LLMEngine(self.config, progress=show_progress, stat_loggers=list(stat_loggers or []))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -64,20 +66,22 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
-        """Apply the chat template to one conversation (or a list of them) and generate."""
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate; ``tools``
+        (OpenAI function tools) go to the template, which shows them to the model."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": self._chat_token_ids(conv, chat_template, add_generation_prompt,
-                                                      continue_final_message)}
+                                                      continue_final_message, tools)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_token_ids(self, conversation: Sequence[Message], chat_template: str | None,
-                        add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+                        add_generation_prompt: bool, continue_final_message: bool,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt,
-                           continue_final_message)
+                           continue_final_message, tools)
         # The template already holds the special tokens (BOS): do not add them again.
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 

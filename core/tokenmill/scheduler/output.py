@@ -82,6 +82,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Rows that could not be sampled (non-finite logits), with the reason: those requests fail alone.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -112,7 +112,8 @@ class Scheduler:
             request.transition(status)
             if waiting_for_grammar:
                 del self.waiting_for_grammar[req_id]
-                self.structured_output.discard(req_id)  # type: ignore[union-attr]
+                assert self.structured_output is not None
+                self.structured_output.discard(req_id)
             elif request in self.running:
                 self.running.remove(request)
             else:
@@ -265,12 +266,19 @@ class Scheduler:
             sampled = runner_output.sampled.get(req_id, [])
             pooled = runner_output.pooled.get(req_id)
             num_before = request.num_output_tokens
-            status = self._append_and_check(request, sampled)
+            worker_error = runner_output.errors.get(req_id)
+            status: RequestStatus | None
+            if worker_error is not None:  # this row alone could not be sampled: the request fails, the batch goes on
+                request.error = worker_error
+                request.transition(status := RequestStatus.FINISHED_ERROR)
+            else:
+                status = self._append_and_check(request, sampled)
             new_tokens = request.output_token_ids[num_before:]  # a rejected token is not part of the output
             new_logprobs = runner_output.logprobs.get(req_id)
             if pooled is not None:
                 request.transition(status := RequestStatus.FINISHED_STOPPED)
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if worker_error is None:  # a failed row's KV may be as broken as its logits: never share it
+                self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=new_tokens,
@@ -292,7 +300,8 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.accept_tokens([token]):
                 # Only a sampler that ignored the bitmask gets here (e.g. every allowed token
                 # biased to -inf): fail this request, not the step.
-                request.error = f"structured output: the sampled token {token} is not allowed by the grammar"
+                request.error = (f"structured output: the sampled token {token} is not allowed by the grammar "
+                                 "(min_tokens or logit_bias may have masked every token it allows)")
                 request.transition(RequestStatus.FINISHED_ERROR)
                 return RequestStatus.FINISHED_ERROR
             request.append_output_token(token)

@@ -26,7 +26,7 @@ MAX_WHITESPACE_RUN = 8
 
 _ANY_OBJECT = {"type": "object"}
 _LABELS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
-           "grammar": "grammar"}
+           "grammar": "grammar", "structural_tag": "structural tag"}
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: "; the user needs only the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -103,32 +103,73 @@ class XgrammarBackend:
 
 def to_grammar(params: StructuredOutputsParams) -> Any:
     """The ``xgrammar.Grammar`` of a constraint (tokenizer-independent); raises on an invalid one."""
+    return _GRAMMAR_BUILDERS[params.kind](params)
+
+
+def _json_grammar(params: StructuredOutputsParams) -> Any:
     import xgrammar as xgr
 
-    kind = params.kind
-    if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else _ANY_OBJECT
-        if isinstance(schema, str):
-            schema = json.loads(schema)
-        schema = bounded_strings_as_patterns(schema)
-        any_whitespace = not params.disable_any_whitespace
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
-                                            max_whitespace_cnt=MAX_WHITESPACE_RUN if any_whitespace else None)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(params.regex)
-    if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
-    return xgr.Grammar.from_ebnf(params.grammar)
+    schema = _ANY_OBJECT if params.json_object else params.json
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    any_whitespace = not params.disable_any_whitespace
+    return xgr.Grammar.from_json_schema(bounded_strings_as_patterns(schema), any_whitespace=any_whitespace,
+                                        max_whitespace_cnt=MAX_WHITESPACE_RUN if any_whitespace else None)
+
+
+def _regex_grammar(params: StructuredOutputsParams) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_regex(str(params.regex))
+
+
+def _choice_grammar(params: StructuredOutputsParams) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+
+
+def _ebnf_grammar(params: StructuredOutputsParams) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(str(params.grammar))
+
+
+def _structural_tag_grammar(params: StructuredOutputsParams) -> Any:
+    import xgrammar as xgr
+
+    tag = params.structural_tag
+    if isinstance(tag, str):
+        tag = json.loads(tag)
+    return xgr.Grammar.from_structural_tag(json.dumps(bounded_json_formats(tag)))
+
+
+_GRAMMAR_BUILDERS = {"json": _json_grammar, "json_object": _json_grammar, "regex": _regex_grammar,
+                     "choice": _choice_grammar, "grammar": _ebnf_grammar, "structural_tag": _structural_tag_grammar}
+
+
+def bounded_json_formats(node: Any) -> Any:
+    """The JSON-schema regions of a structural tag get what plain JSON constraints get: bounded
+    whitespace runs (xgrammar's default there is unbounded) and the bounded-string rewrite below.
+    ``disable_any_whitespace`` has no equivalent here (xgrammar wants a positive bound)."""
+    if isinstance(node, list):
+        return [bounded_json_formats(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {"max_whitespace_cnt": MAX_WHITESPACE_RUN, **node,
+                "json_schema": bounded_strings_as_patterns(node["json_schema"])}
+    return {key: bounded_json_formats(value) for key, value in node.items()}
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
-    """Rewrite ``{"type": "string", "maxLength": n}`` (and ``minLength``) as the same bound in a ``pattern``.
+    r"""Rewrite ``{"type": "string", "maxLength": n}`` (and ``minLength``) as the same bound in a ``pattern``.
 
     xgrammar 0.2.9 lowers a length-bounded string to ``[^"\\\r\n]{m,n}``, which admits raw
     control characters (a tab, ``\x06``): invalid JSON that ``json.loads`` rejects
     (mlc-ai/xgrammar#800). Its ``pattern`` path matches JSON string characters and
-    excludes them. A string that already has a pattern is left alone. Remove this once
-    the fix ships in the xgrammar we require.
+    excludes them (and, like the length path, emits no escapes). A string that already
+    has a pattern is left alone. Remove this once the fix ships in the xgrammar we require.
     """
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(item) for item in schema]
@@ -141,7 +182,7 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     if rewritten.get("type") == "string" and bounded and "pattern" not in rewritten and _int_or_none(low, high):
         rewritten.pop("minLength", None)
         rewritten.pop("maxLength", None)
-        rewritten["pattern"] = f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
+        rewritten["pattern"] = rf"^[\s\S]{{{low or 0},{'' if high is None else high}}}$"
     return rewritten
 
 

@@ -5,6 +5,7 @@ token is sampled, sample, and remember the sampled tokens."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                     torch.zeros(shape, dtype=self.dtype, device=self.device))
+            cache = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
 
@@ -117,7 +117,50 @@ class ModelRunner:
         indices = inputs.query_start[1:][mask] - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(indices).to(self.device)])
         states = [self.batch.states[r] for r in sample_rows]
-        metadata = SamplingMetadata.from_params(
+        apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
+        row_max = logits.amax(dim=-1)  # max propagates NaN: a broken row shows in it
+        drawn = self._draw(logits.float(), states, output)  # rows are independent: a NaN row spoils only itself
+        failed = _unsampleable_rows(row_max)  # read after the draw, whose token copy has already synchronised
+        for i, reason in failed.items():  # that request fails alone
+            output.errors[states[i].req_id] = reason
+        for i, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
+            if i in failed or drawn[i] is None:
+                continue
+            token, lists, index = drawn[i]
+            state.output_token_ids.append(token)
+            self.batch.append_token(int(row), token)
+            output.sampled[state.req_id] = [token]
+            if lists is not None and state.sampling_params.logprobs is not None:
+                output.logprobs[state.req_id] = [_token_logprobs(lists, index, state.sampling_params.logprobs)]
+
+    def _draw(self, logits: torch.Tensor, states: list[CachedRequestState],
+              output: ModelRunnerOutput) -> list[tuple[int, Any, int] | None]:
+        """Per row: (token, logprob lists, row in them), or None for a row that failed.
+
+        One batched draw; if that raises (one request's parameters that the sampler cannot
+        take), each row is drawn alone, so only the requests at fault fail, not the step.
+        """
+        try:
+            result = self.sampler(logits, self._sampling_metadata(states))
+        except Exception:
+            logger.exception("batched sampling failed: drawing row by row to isolate the failing request(s)")
+            return [self._draw_one(logits[i : i + 1], state, output) for i, state in enumerate(states)]
+        tokens = result.sampled_token_ids.tolist()
+        lists = result.logprobs.tolists() if result.logprobs is not None else None
+        return [(token, lists, i) for i, token in enumerate(tokens)]
+
+    def _draw_one(self, logits: torch.Tensor, state: CachedRequestState,
+                  output: ModelRunnerOutput) -> tuple[int, Any, int] | None:
+        try:
+            result = self.sampler(logits, self._sampling_metadata([state]))
+        except Exception as exc:
+            output.errors[state.req_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+            return None
+        lists = result.logprobs.tolists() if result.logprobs is not None else None
+        return int(result.sampled_token_ids[0]), lists, 0
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.from_params(
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -126,16 +169,6 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
-        result = self.sampler(logits.float(), metadata)
-        tokens = result.sampled_token_ids.tolist()
-        lists = result.logprobs.tolists() if result.logprobs is not None else None
-        for i, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
-            state.output_token_ids.append(tokens[i])
-            self.batch.append_token(int(row), tokens[i])
-            output.sampled[state.req_id] = [tokens[i]]
-            if lists is not None and state.sampling_params.logprobs is not None:
-                output.logprobs[state.req_id] = [_token_logprobs(lists, i, state.sampling_params.logprobs)]
 
     def _pool(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Embeddings: the last prompt position's final hidden state, or the mean over the prompt.
@@ -172,6 +205,30 @@ class ModelRunner:
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
             if start + int(inputs.num_scheduled[i]) >= num_prompt:
                 output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+
+def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:
+    """Rows no token can be drawn from, by their largest logit: a NaN or +inf anywhere (a
+    broken forward), or every logit -inf. One small copy to the host."""
+    if bool(torch.isfinite(row_max).all()):
+        return {}
+    failed = {}
+    for i, value in enumerate(row_max.tolist()):
+        if math.isnan(value) or value == math.inf:
+            failed[i] = "the model produced non-finite logits (NaN or inf) for this request"
+        elif value == -math.inf:
+            failed[i] = "every token's logit is -inf for this request: nothing can be sampled"
+    return failed
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV tensor. On the CPU it comes from calloc (through numpy), whose pages the
+    OS maps lazily: the cache only takes resident memory as blocks are written, so a generous
+    budget costs nothing up front (``torch.zeros`` would touch, and keep, every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _token_logprobs(lists: Any, index: int, num_logprobs: int) -> TokenLogprobs:
