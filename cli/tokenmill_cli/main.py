@@ -31,3 +31,7 @@ def _root(log_level: str = typer.Option("warning", help="debug, info, warning or
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,8 @@ _NAMED_HOOKS = {
     "tokenmill_register_kv_connectors": "kv-connector",
     "tokenmill_register_tool_parsers": "tool-parser",
     "tokenmill_register_reasoning_parsers": "reasoning-parser",
+    "tokenmill_register_structured_output_backends": "structured-output",
+    "tokenmill_default_model": "default-model",
 }
 
 
@@ -46,6 +48,17 @@ def list_plugins(
         console.print(f"[red]failed[/red] {failure.info.label}: {failure.error}")
 
 
+def _names(value: Any) -> list[str]:
+    """What one hook answer names: dict keys, spec names, or a path (the default model)."""
+    if isinstance(value, dict):
+        return list(value)
+    if isinstance(value, str):
+        return [value.rsplit("/", 1)[-1]]
+    if hasattr(value, "name"):
+        return [value.name]
+    return [spec.name for spec in value]
+
+
 def _registered_names(manager: Any) -> dict[str, list[str]]:
     """``plugin name -> ["models: A, B", ...]`` from every registration hook."""
     from tokenmill.platform import detect_platform
@@ -54,8 +67,6 @@ def _registered_names(manager: Any) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for hook, label in _NAMED_HOOKS.items():
         for result in manager.collect(hook, platform=platform):
-            value = result.value
-            names = list(value) if isinstance(value, dict) else [value.name] if hasattr(value, "name") else [
-                v.name for v in value]
+            names = _names(result.value)
             out.setdefault(result.plugin.name, []).append(f"{label}: {', '.join(names)}")
     return out
