@@ -66,7 +66,7 @@ class HFBackend:
         self.device = platform.device()
         self.batch_size = batch_size
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, platform))
-        self.model.to(self.device).eval()
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() narrowly
         self.model.generation_config.eos_token_id = None  # ignore EOS, as the tokenmill runs do
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.vocab_size: int = self.model.config.vocab_size

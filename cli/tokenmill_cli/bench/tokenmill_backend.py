@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tokenmill_cli.bench.backends import EngineCounters
 from tokenmill_cli.bench.datasets import BenchRequest
@@ -46,7 +46,8 @@ class TokenmillBackend:
                 request_id = engine.next_request_id()
                 params = SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True,
                                         max_tokens=request.output_len,
-                                        structured_outputs=request.structured_outputs)
+                                        # SamplingParams also takes the JSON (dict) form
+                                        structured_outputs=cast(Any, request.structured_outputs))
                 engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
                 records[request_id] = RequestRecord(request.prompt_len, start)
         except Exception:

@@ -4,7 +4,7 @@ changing its import: ``LLM(model=...).generate(prompts, SamplingParams(...))``."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
@@ -69,7 +69,8 @@ class LLM:
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate; ``tools``
         (OpenAI function tools) go to the template, which shows them to the model."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = cast(list[Sequence[Message]],
+                             [messages] if messages and isinstance(messages[0], dict) else list(messages))
         prompts = [
             {"prompt_token_ids": self._chat_token_ids(conv, chat_template, add_generation_prompt,
                                                       continue_final_message, tools)}

@@ -8,7 +8,7 @@ loader copies each checkpoint tensor into its shard.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +23,11 @@ class LinearMethod(Protocol):
 class UnquantizedLinearMethod:
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # register_parameter accepts None: the layer then has a `bias` attribute that is None
+        layer.register_parameter("bias", nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return F.linear(x, cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias))
 
 
 class Linear(nn.Module):

@@ -29,6 +29,9 @@ def rope_inverse_frequencies(hf_config: Any, head_size: int) -> tuple[torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(self, hf_config: Any, head_size: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(hf_config, head_size)

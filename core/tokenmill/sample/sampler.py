@@ -48,7 +48,7 @@ class Sampler(torch.nn.Module):
         sampled = self.sample(logits, metadata)
 
         logprobs = None
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and metadata.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 

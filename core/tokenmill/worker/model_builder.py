@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import cast
 
 import torch
-from torch import nn
 
 from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill.worker.model_interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                progress: bool = False) -> nn.Module:
+                progress: bool = False) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
     Every parameter must come from the checkpoint: a missing one is an error,
@@ -43,4 +44,4 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {checkpoint.path} lacks parameters {sorted(missing)[:8]}")
-    return model.eval()
+    return cast(CausalLM, model.eval())

@@ -10,20 +10,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.model = model
         self.backend = backend
@@ -124,9 +124,10 @@ class ModelRunner:
         for i, reason in failed.items():  # that request fails alone
             output.errors[states[i].req_id] = reason
         for i, (row, state) in enumerate(zip(sample_rows, states, strict=True)):
-            if i in failed or drawn[i] is None:
+            draw = drawn[i]
+            if i in failed or draw is None:
                 continue
-            token, lists, index = drawn[i]
+            token, lists, index = draw
             state.output_token_ids.append(token)
             self.batch.append_token(int(row), token)
             output.sampled[state.req_id] = [token]

@@ -60,7 +60,7 @@ class CpuPagedAttentionBackend:
         short = query_lens <= KERNEL_MAX_QUERY_LEN
         token_request = np.repeat(np.arange(len(query_lens)), query_lens)
         token_position = context_lens[token_request] + np.arange(query_start[-1]) - query_start[:-1][token_request]
-        chunks = [_Chunk(int(query_start[i]), int(query_start[i + 1]), i, int(context_lens[i]),
+        chunks = [_Chunk(int(query_start[i]), int(query_start[i + 1]), int(i), int(context_lens[i]),
                          int(metadata.seq_lens_cpu[i])) for i in np.flatnonzero(~short)]
         if not chunks:
             return PagedStepData(None, torch.from_numpy(token_request), torch.from_numpy(token_position))

@@ -25,9 +25,9 @@ def cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
         return None
     v1_quota, v1_period = root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us"
     if v1_quota.is_file() and v1_period.is_file():
-        quota = int(v1_quota.read_text())
-        if quota > 0:
-            return quota / int(v1_period.read_text())
+        microseconds = int(v1_quota.read_text())
+        if microseconds > 0:
+            return microseconds / int(v1_period.read_text())
     return None
 
 
