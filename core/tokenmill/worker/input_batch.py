@@ -25,6 +25,10 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per-row flags for the rare requests that need extra work in a step, so the step
+        # finds them with one mask instead of asking every request.
+        self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
+        self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.req_ids: list[str] = []
         self.states: list[CachedRequestState] = []
         self.index_of: dict[str, int] = {}
@@ -44,6 +48,8 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self.is_pooling[row] = state.pooling is not None
+        self.wants_prompt_logprobs[row] = state.sampling_params.prompt_logprobs is not None
         self.set_blocks(row, state.block_ids)
 
     def remove(self, req_id: str) -> None:
@@ -59,7 +65,8 @@ class InputBatch:
     def _move(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+        for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks, self.is_pooling,
+                      self.wants_prompt_logprobs):
             array[dst] = array[src]
         self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
         self.req_ids[dst], self.states[dst] = self.req_ids[src], self.states[src]

@@ -109,8 +109,7 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar: GrammarBitmask | None = None) -> None:
-        generative = np.array([self.batch.states[r].pooling is None for r in inputs.rows], dtype=bool)
-        mask = inputs.sample_mask & generative
+        mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return
@@ -176,10 +175,8 @@ class ModelRunner:
 
         A prompt may arrive in chunks, so mean pooling keeps a running sum.
         """
-        for i, row in enumerate(inputs.rows):
-            state = self.batch.states[row]
-            if state.pooling is None:
-                continue
+        for i in np.flatnonzero(self.batch.is_pooling[inputs.rows]):
+            state = self.batch.states[inputs.rows[i]]
             start, end = int(inputs.query_start[i]), int(inputs.query_start[i + 1])
             if state.pooling == "mean":
                 chunk_sum = hidden[start:end].float().sum(0)
@@ -190,8 +187,8 @@ class ModelRunner:
                 output.pooled[state.req_id] = vector.tolist()
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        for i, row in enumerate(inputs.rows):
-            state = self.batch.states[row]
+        for i in np.flatnonzero(self.batch.wants_prompt_logprobs[inputs.rows]):
+            state = self.batch.states[inputs.rows[i]]
             wanted = state.sampling_params.prompt_logprobs
             num_prompt = len(state.prompt_token_ids)
             start = int(inputs.context_lens[i])
