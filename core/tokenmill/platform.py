@@ -49,7 +49,7 @@ def detect_platform(plugins: PluginManager) -> Platform:
     return resolve_qualname(best.qualname)()
 
 
-def resolve_dtype(config_dtype: str, platform: Platform, hf_config: object | None = None) -> torch.dtype:
+def resolve_dtype(config_dtype: str, platform: Platform) -> torch.dtype:
     """``auto`` means the platform's default; anything else is taken literally."""
     if config_dtype == "auto":
         return platform.default_dtype()
