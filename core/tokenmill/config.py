@@ -35,7 +35,7 @@ class EngineConfig(BaseModel):
 
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = Field(None, description="KV cache bytes (CPU); default from the platform")
+    kv_cache_memory: int | None = Field(None, description="KV cache bytes; default from the platform (CPU: its RAM budget, GPU: gpu_memory_utilization)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="override the computed number of KV blocks")
 

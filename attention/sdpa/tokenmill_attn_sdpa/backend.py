@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +28,7 @@ class SDPAStepData:
     block_index: torch.Tensor  # [B * blocks] the blocks to gather, request after request
     query_index: torch.Tensor  # [B, Q] flat token index of each request's query i (0 for padding)
     query_valid: torch.Tensor  # [B, Q] bool
+    valid_flat: torch.Tensor  # [T] index of each real query in the flattened [B * Q] grid
     query_pos: torch.Tensor  # [B, Q] sequence position of each query
     key_pos: torch.Tensor  # [S]
     causal: torch.Tensor  # [B, 1, Q, S] bool, True where attention is allowed
@@ -60,7 +62,14 @@ class SDPABackend:
         causal = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < metadata.seq_lens[:, None, None])
         # A padding query row attends to key 0 only, so its softmax stays finite; it is dropped later.
         causal = causal | (~query_valid[:, :, None] & (key_pos == 0)[None, None, :])
-        return SDPAStepData(block_table.reshape(-1), query_index, query_valid, query_pos, key_pos, causal[:, None])
+        # Built on the host from the CPU copy: boolean-mask indexing on the device
+        # would synchronise once per layer.
+        starts = metadata.query_start_loc_cpu
+        lens = starts[1:] - starts[:-1]
+        valid_flat = np.repeat(np.arange(len(lens)) * max_q - starts[:-1], lens) + np.arange(int(starts[-1]))
+        valid_flat_t = torch.from_numpy(valid_flat).to(device, non_blocking=True)
+        return SDPAStepData(block_table.reshape(-1), query_index, query_valid, valid_flat_t, query_pos, key_pos,
+                            causal[:, None])
 
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
@@ -80,4 +89,5 @@ class SDPABackend:
             q, k, v, attn_mask=step.mask(layer.sliding_window), scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return out.transpose(1, 2)[step.query_valid]  # [T, H, D], tokens in batch order
+        out = out.transpose(1, 2).reshape(num_reqs * step.query_index.shape[1], layer.num_heads, layer.head_size)
+        return out.index_select(0, step.valid_flat)  # [T, H, D], tokens in batch order

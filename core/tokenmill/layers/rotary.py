@@ -34,12 +34,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config: Any, head_size: int, max_position: int) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_size)
-        positions = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        # The table is computed on the CPU whatever device the model is being built
+        # on (transformers' rope initialisers mix explicit-CPU and ambient tensors),
+        # then placed on that device.
+        target = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq, scaling = rope_inverse_frequencies(hf_config, head_size)
+            positions = torch.arange(max_position, dtype=torch.int64).float()
+            freqs = positions[:, None] * inv_freq.float()[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", (emb.cos() * scaling).to(target), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scaling).to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` [T, H, D] and ``k`` [T, H_kv, D], rotated at ``positions`` [T]."""

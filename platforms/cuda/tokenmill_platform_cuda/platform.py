@@ -26,7 +26,10 @@ class CudaPlatform:
         torch.cuda.set_device(self.device_index)
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
-        """What the utilisation fraction leaves once weights and activations are in."""
+        """An explicit ``kv_cache_memory`` wins (as vLLM's ``kv_cache_memory_bytes``);
+        otherwise what the utilisation fraction leaves once weights and activations are in."""
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
         torch.cuda.synchronize(self.device_index)
         free, total = torch.cuda.mem_get_info(self.device_index)
         budget = total * config.gpu_memory_utilization - (total - free)

@@ -1,0 +1,57 @@
+"""Where one engine step's time goes: the torch profiler over a generate call.
+
+    python scripts/profile_step.py bench-models/tiny --batch-size 64
+    python scripts/profile_step.py MODEL --batch-size 1 --dtype bfloat16   # on a GPU
+
+Prints wall ms per decode step and the top operators by self CPU time (and by
+device time on CUDA). The output is for reading, not asserting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=max(args.batch_size, 1), kv_cache_memory="512MiB")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 30000) for _ in range(args.input_len)]}
+               for _ in range(args.batch_size)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up (kernel builds, allocator)
+
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    print(f"batch {args.batch_size}: {wall / args.output_len * 1e3:.2f} ms per step (incl. prefill), "
+          f"{args.batch_size * args.output_len / wall:.1f} output tok/s")
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if cuda:
+        print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
