@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
 
@@ -34,7 +35,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 30000) for _ in range(args.input_len)]}
                for _ in range(args.batch_size)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up (kernel builds, allocator)
 
     start = time.perf_counter()

@@ -13,15 +13,15 @@ from tokenmill_platform_cpu.kernels import kernels_available
 
 needs_kernel = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernel")
 
-BLOCK, HEADS, KV_HEADS, HEAD = 4, 4, 2, 8
+BLOCK, HEADS, KV_HEADS = 4, 4, 2
 
 
-def _reference(q_all, k_all, v_all, context, seq, window):
+def _reference(q_all, k_all, v_all, context, seq, window, head):
     """Attention of one request's new queries over its whole sequence, by the definition."""
     q = q_all.transpose(0, 1)
     k = k_all.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
     v = v_all.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
-    scores = q @ k.transpose(1, 2) * HEAD**-0.5
+    scores = q @ k.transpose(1, 2) * head**-0.5
     qpos = torch.arange(context, seq)[:, None]
     kpos = torch.arange(seq)[None, :]
     allowed = kpos <= qpos
@@ -32,13 +32,16 @@ def _reference(q_all, k_all, v_all, context, seq, window):
 
 
 @needs_kernel
+# 64 and 128 run the kernel's AVX-512 bodies, 8 its portable loops.
+@pytest.mark.parametrize("head", [8, 64, 128])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_prefill_and_decode_batch_matches_reference(window):
+# (tokens already cached, new tokens): decodes, a short chunk and long prefills; and a
+# lone decode, which the kernel splits over KV heads to keep both threads busy
+@pytest.mark.parametrize("requests", [[(9, 1), (0, 13), (3, 1), (6, 20), (0, 1), (11, 4)], [(30, 1)]])
+def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests):
     torch.manual_seed(0)
-    # (tokens already cached, new tokens): decodes, a short chunk and long prefills
-    requests = [(9, 1), (0, 13), (3, 1), (6, 20), (0, 1), (11, 4)]
     num_blocks = 64
-    key_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD)
+    key_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, head)
     value_cache = torch.zeros_like(key_cache)
     free = list(torch.randperm(num_blocks).tolist())
     tables, seq_keys, seq_values, slots = [], [], [], []
@@ -46,7 +49,7 @@ def test_mixed_prefill_and_decode_batch_matches_reference(window):
         seq = context + new
         blocks = [free.pop() for _ in range(-(-seq // BLOCK))]
         tables.append(blocks)
-        keys, values = torch.randn(seq, KV_HEADS, HEAD), torch.randn(seq, KV_HEADS, HEAD)
+        keys, values = torch.randn(seq, KV_HEADS, head), torch.randn(seq, KV_HEADS, head)
         seq_keys.append(keys)
         seq_values.append(values)
         for pos in range(context):  # the cached part is already in the cache
@@ -64,16 +67,16 @@ def test_mixed_prefill_and_decode_batch_matches_reference(window):
         seq_lens=torch.from_numpy(seq_lens), context_lens=torch.from_numpy(seq_lens - query_lens),
         block_table=table, slot_mapping=torch.tensor(slots), query_start_loc_cpu=query_start,
         seq_lens_cpu=seq_lens)
-    query = torch.randn(int(query_start[-1]), HEADS, HEAD)
+    query = torch.randn(int(query_start[-1]), HEADS, head)
     new_keys = torch.cat([k[c:] for k, (c, _) in zip(seq_keys, requests, strict=True)])
     new_values = torch.cat([v[c:] for v, (c, _) in zip(seq_values, requests, strict=True)])
 
     backend = CpuPagedAttentionBackend()
-    layer = Attention(HEADS, HEAD, KV_HEADS, HEAD**-0.5, sliding_window=window)
+    layer = Attention(HEADS, head, KV_HEADS, head**-0.5, sliding_window=window)
     metadata.backend_data = backend.prepare(metadata)
     out = backend.forward(layer, query, new_keys, new_values, (key_cache, value_cache), metadata)
     for i, (context, new) in enumerate(requests):
         s, e = query_start[i], query_start[i + 1]
-        expected = _reference(query[s:e], seq_keys[i], seq_values[i], context, context + new, window)
+        expected = _reference(query[s:e], seq_keys[i], seq_values[i], context, context + new, window, head)
         torch.testing.assert_close(out[s:e], expected, atol=1e-5, rtol=1e-4)
 

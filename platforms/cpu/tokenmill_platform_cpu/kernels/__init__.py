@@ -25,7 +25,7 @@ def load_kernels() -> ModuleType | None:
         return load(
             name="tokenmill_cpu_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,39 +1,26 @@
 // Paged attention on the CPU, reading K and V in place from the block table.
 //
-// One task per (query token, KV head). The task scores every visible key for
-// each of the query heads sharing that KV head (each key row read once), takes
-// the softmax of the scores in one vectorised pass (exp over a whole row, not
-// per key as an online softmax would), then accumulates the value rows (each
-// read once) weighted by the probabilities.
+// One task per query token (split over its KV heads when there are too few
+// tokens to keep every thread busy). A task walks the keys block by block and
+// scores each row against all of its query heads, takes the softmax of each
+// head's scores in one vectorised pass (exp over a whole row, not per key as an
+// online softmax would), then accumulates the value rows weighted by the
+// probabilities, one query head at a time with the accumulator in registers.
+// Head sizes 64 and 128 get AVX-512 bodies; others run portable loops.
+// The kernel is memory bound: a decode batch reads every cached K/V row once.
 // Shapes: query [T, H, D]; key_cache, value_cache [num_blocks, block_size, H_kv, D];
 // block_table [B, max_blocks]; token_request [T] and token_position [T] say which
 // request a query token belongs to and its position in that sequence.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
-
-struct Layout {
-  const float* keys;
-  const float* values;
-  const int64_t* blocks;  // this request's row of the block table
-  int64_t block_size, row_stride, block_stride, head_offset;
-
-  inline int64_t offset(int64_t j) const {
-    return blocks[j / block_size] * block_stride + (j % block_size) * row_stride + head_offset;
-  }
-};
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 // probabilities in place; returns their sum
 inline float softmax_numerators(float* scores, int64_t n) {
@@ -48,35 +35,127 @@ inline float softmax_numerators(float* scores, int64_t n) {
   return sum;
 }
 
-void attend(const Layout& kv, const float* q, float* out, int64_t first, int64_t last, int64_t group,
-            int64_t head_size, float scale, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t n = last - first + 1;
-  scores.resize(group * n);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = kv.keys + kv.offset(first + j);
-    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * head_size, k, head_size) * scale;
+// One task: one query token and a range of its KV heads. Keys and values are
+// walked block by block, row by row, so each task reads whole contiguous rows
+// (all its KV heads) in address order.
+struct Task {
+  const float* keys;
+  const float* values;
+  const int64_t* blocks;
+  int64_t block_size, row_stride, block_stride;
+  int64_t first, last;      // visible key positions, inclusive
+  int64_t kv_begin, kv_end; // KV heads of this task
+  int64_t group, head_size;
+  float scale;
+};
+
+template <typename RowFn>
+inline void for_each_row(const Task& t, const float* base, RowFn fn) {
+  int64_t j = t.first;
+  while (j <= t.last) {
+    const int64_t b = j / t.block_size;
+    const int64_t r0 = j - b * t.block_size;
+    const int64_t r1 = std::min(t.block_size, t.last - b * t.block_size + 1);
+    const float* block = base + t.blocks[b] * t.block_stride;
+    for (int64_t r = r0; r < r1; ++r, ++j) fn(j - t.first, block + r * t.row_stride);
   }
-  std::vector<float> inv(group);
-  for (int64_t g = 0; g < group; ++g) inv[g] = 1.f / softmax_numerators(scores.data() + g * n, n);
-  acc.assign(group * head_size, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = kv.values + kv.offset(first + j);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n + j];
-      float* a = acc.data() + g * head_size;
+}
+
+// Head sizes known at compile time get AVX-512 bodies; kDynamic runs the generic loops.
+constexpr int kDynamic = 0;
+
+template <int D>
+inline float dot(const float* a, const float* b, int64_t d) {
+#ifdef __AVX512F__
+  if constexpr (D != kDynamic && D % 16 == 0) {
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int i = 16; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < d; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <int D>
+inline void axpy(float p, const float* v, float* a, int64_t d) {
+#ifdef __AVX512F__
+  if constexpr (D != kDynamic && D % 16 == 0) {
+    const __m512 scale = _mm512_set1_ps(p);
+    for (int i = 0; i < D; i += 16)
+      _mm512_storeu_ps(a + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(v + i), _mm512_loadu_ps(a + i)));
+    return;
+  }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < head_size; ++i) a[i] += p * v[i];
+  for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
+}
+
+// out[0:d] = scale * sum_j p[j] * value_row_j[offset : offset + d]
+template <int D>
+inline void weighted_sum(const Task& t, const float* p, int64_t offset, int64_t d, float scale, float* out) {
+#ifdef __AVX512F__
+  if constexpr (D != kDynamic && D % 16 == 0) {
+    __m512 acc[D / 16];
+    for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_setzero_ps();
+    for_each_row(t, t.values, [&](int64_t j, const float* row) {
+      const __m512 w = _mm512_set1_ps(p[j]);
+      for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + offset + 16 * i), acc[i]);
+    });
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], factor));
+    return;
+  }
+#endif
+  std::fill(out, out + d, 0.f);
+  for_each_row(t, t.values, [&](int64_t j, const float* row) { axpy<D>(p[j], row + offset, out, d); });
+  for (int64_t i = 0; i < d; ++i) out[i] *= scale;
+}
+
+template <int D>
+void attend(const Task& t, const float* q, float* out, std::vector<float>& scores) {
+  const int64_t n = t.last - t.first + 1;
+  const int64_t heads = (t.kv_end - t.kv_begin) * t.group;  // query heads of this task
+  const int64_t d = D == kDynamic ? t.head_size : D;
+  scores.resize(heads * n);
+  float* s = scores.data();
+  for_each_row(t, t.keys, [&](int64_t j, const float* row) {
+    for (int64_t h = t.kv_begin; h < t.kv_end; ++h) {
+      const float* k = row + h * d;
+      for (int64_t g = 0; g < t.group; ++g) {
+        const int64_t qh = (h - t.kv_begin) * t.group + g;
+        s[qh * n + j] = dot<D>(q + qh * d, k, d) * t.scale;
+      }
+    }
+  });
+  std::vector<float> inv(heads);
+  for (int64_t qh = 0; qh < heads; ++qh) inv[qh] = 1.f / softmax_numerators(s + qh * n, n);
+  // Values: one query head at a time, its accumulator held in registers while
+  // the rows stream past (a row's KV heads are adjacent, so the next head's
+  // pass finds the block in cache).
+  for (int64_t h = t.kv_begin; h < t.kv_end; ++h) {
+    for (int64_t g = 0; g < t.group; ++g) {
+      const int64_t qh = (h - t.kv_begin) * t.group + g;
+      weighted_sum<D>(t, s + qh * n, h * d, d, inv[qh], out + qh * d);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < head_size; ++i) out[g * head_size + i] = acc[g * head_size + i] * inv[g];
+}
+
+inline void attend_any(const Task& t, const float* q, float* out, std::vector<float>& scores) {
+  switch (t.head_size) {
+    case 64: return attend<64>(t, q, out, scores);
+    case 128: return attend<128>(t, q, out, scores);
+    default: return attend<kDynamic>(t, q, out, scores);
+  }
 }
 
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_table, torch::Tensor token_request,
-                              torch::Tensor token_position, double scale, int64_t sliding_window) {
+                                 torch::Tensor block_table, torch::Tensor token_request,
+                                 torch::Tensor token_position, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_attention: float32 only");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
   const int64_t tokens = query.size(0), heads = query.size(1), head_size = query.size(2);
@@ -93,21 +172,21 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   float* out_ptr = out.data_ptr<float>();
   const int64_t max_blocks = table.size(1);
   const int64_t row_stride = kv_heads * head_size;
-  Layout base{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), nullptr, block_size, row_stride,
-              block_size * row_stride, 0};
-
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+  // Enough tasks to keep every thread busy, as few KV-head splits as that allows.
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (want + tokens - 1) / tokens));
+  const int64_t per_split = (kv_heads + splits - 1) / splits;
+  at::parallel_for(0, tokens * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, kv = task % kv_heads;
-      Layout layout = base;
-      layout.blocks = table_ptr + req_ptr[t] * max_blocks;
-      layout.head_offset = kv * head_size;
-      const int64_t last = pos_ptr[t];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, last - sliding_window + 1) : 0;
-      const int64_t head0 = (t * heads + kv * group) * head_size;
-      attend(layout, q_ptr + head0, out_ptr + head0, first, last, group, head_size, static_cast<float>(scale),
-             scores, acc);
+      const int64_t t = task / splits, part = task % splits;
+      Task job{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), table_ptr + req_ptr[t] * max_blocks,
+                   block_size, row_stride, block_size * row_stride, 0, pos_ptr[t], part * per_split,
+                   std::min(kv_heads, (part + 1) * per_split), group, head_size, static_cast<float>(scale)};
+      if (job.kv_begin >= job.kv_end) continue;
+      job.first = sliding_window > 0 ? std::max<int64_t>(0, job.last - sliding_window + 1) : 0;
+      const int64_t head0 = (t * heads + job.kv_begin * group) * head_size;
+      attend_any(job, q_ptr + head0, out_ptr + head0, scores);
     }
   });
   return out;
