@@ -72,24 +72,47 @@ def apply_top_k_top_p(
     return logits.scatter_(-1, order, sorted_logits)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row from ``probs`` ``[B, V]`` by inverting its cumulative sum.
+# Tokens per chunk of the two-level cumulative sum in inverse_cdf_sample.
+_CDF_CHUNK = 256
 
-    One uniform number per row, scaled to the row's total mass, finds the
-    first token whose cumulative mass exceeds it (so a zero-probability token
-    is never chosen). On the CPU this is ~8x cheaper than the exponential race
-    (``argmax(probs / Exp(1))``), which needs a random number per vocabulary
-    entry. Seeded rows draw their number from their own generator, so their
-    token depends only on their own probabilities and seed, never on the other
-    rows of the batch.
+
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from ``probs`` ``[B, V]`` (unnormalised is fine) by inverting
+    its cumulative sum.
+
+    One uniform number per row, scaled to the row's total mass, finds the first
+    token whose cumulative mass exceeds it (so a zero-probability token is never
+    chosen). The cumulative sum is taken in two levels: over chunk masses to find
+    the chunk, then inside that one chunk, which reads the row once instead of
+    writing a whole ``[B, V]`` running sum (the full ``cumsum`` was the sampler's
+    largest cost on the CPU). It also beats the exponential race
+    (``argmax(probs / Exp(1))``), which needs a random number per vocabulary entry.
+    Seeded rows draw their number from their own generator, so their token depends
+    only on their own probabilities and seed, never on the other rows of the batch.
     """
-    cumulative = probs.cumsum(dim=-1)
-    uniform = torch.rand(probs.shape[0], 1, device=probs.device, dtype=cumulative.dtype)
+    rows, vocab = probs.shape
+    uniform = torch.rand(rows, 1, device=probs.device, dtype=probs.dtype)
     for row, generator in generators.items():
-        uniform[row] = torch.rand(1, generator=generator, device=probs.device, dtype=cumulative.dtype)
-    threshold = uniform * cumulative[:, -1:]
-    tokens = torch.searchsorted(cumulative, threshold, right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+        uniform[row] = torch.rand(1, generator=generator, device=probs.device, dtype=probs.dtype)
+
+    full = vocab // _CDF_CHUNK * _CDF_CHUNK
+    chunk_mass = probs[:, :full].reshape(rows, full // _CDF_CHUNK, _CDF_CHUNK).sum(-1)
+    if full < vocab:
+        chunk_mass = torch.cat((chunk_mass, probs[:, full:].sum(-1, keepdim=True)), dim=1)
+    chunk_cumulative = chunk_mass.cumsum(-1)
+    threshold = uniform * chunk_cumulative[:, -1:]
+    chunk = torch.searchsorted(chunk_cumulative, threshold, right=True).clamp_(max=chunk_mass.shape[1] - 1)
+    mass_before = torch.where(chunk > 0, chunk_cumulative.gather(1, (chunk - 1).clamp_(min=0)), 0.0)
+
+    columns = chunk * _CDF_CHUNK + torch.arange(_CDF_CHUNK, device=probs.device)
+    inside = columns < vocab
+    within = (probs.gather(1, columns.clamp(max=vocab - 1)) * inside).cumsum(-1)
+    # Summed in another order, the chunk's own total can fall a hair below the
+    # residual: cap it just under that total, which lands on the chunk's last
+    # token with mass.
+    residual = torch.minimum(threshold - mass_before, torch.nextafter(within[:, -1:], torch.zeros_like(threshold)))
+    offset = torch.searchsorted(within, residual, right=True).clamp_(max=_CDF_CHUNK - 1)
+    return (chunk * _CDF_CHUNK + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 def random_sample(
