@@ -32,14 +32,11 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=max(args.batch_size, 1), kv_cache_memory="512MiB")
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 30000) for _ in range(args.input_len)]}
-               for _ in range(args.batch_size)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up (kernel builds, allocator)
+    llm.generate(_prompts(args, seed=0), params, use_tqdm=False)  # warm-up (kernel builds, allocator)
 
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(_prompts(args, seed=1), params, use_tqdm=False)
     wall = time.perf_counter() - start
     print(f"batch {args.batch_size}: {wall / args.output_len * 1e3:.2f} ms per step (incl. prefill), "
           f"{args.batch_size * args.output_len / wall:.1f} output tok/s")
@@ -47,11 +44,18 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(_prompts(args, seed=2), params, use_tqdm=False)
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if cuda:
         print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+
+def _prompts(args: argparse.Namespace, seed: int) -> list[dict]:
+    """Fresh random prompts per run: repeating them would hit the prefix cache."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 30000) for _ in range(args.input_len)]}
+            for _ in range(args.batch_size)]
 
 
 if __name__ == "__main__":

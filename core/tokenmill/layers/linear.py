@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers.ops import layer_ops
 
 
 class LinearMethod(Protocol):
@@ -20,14 +21,32 @@ class LinearMethod(Protocol):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
 
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every linear layer's method its one look at the loaded weights (to repack
+    them, say). Methods without ``process_weights_after_loading`` are left alone."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        hook = getattr(method, "process_weights_after_loading", None)
+        if hook is not None:
+            hook(module)
+
+
 class UnquantizedLinearMethod:
+    """Plain weights; the platform's layer ops may keep a prepared (packed) copy too."""
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         # register_parameter accepts None: the layer then has a `bias` attribute that is None
         layer.register_parameter("bias", nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None)
+        layer.register_buffer("prepared_weight", None, persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = cast(torch.Tensor, layer.weight)
+        setattr(layer, "prepared_weight", layer_ops(weight.device).prepare_linear_weight(weight))  # noqa: B010 (a buffer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias))
+        return layer_ops(x.device).linear(x, cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias),
+                                          cast(torch.Tensor | None, layer.prepared_weight))
 
 
 class Linear(nn.Module):

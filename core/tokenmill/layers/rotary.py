@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.layers.ops import layer_ops
+
 
 def rope_inverse_frequencies(hf_config: Any, head_size: int) -> tuple[torch.Tensor, float]:
     """``(inv_freq [head_size/2], attention_scaling)`` for ``hf_config``'s rope."""
@@ -47,12 +49,5 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (emb.sin() * scaling).to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` [T, H, D] and ``k`` [T, H_kv, D], rotated at ``positions`` [T]."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """``q`` [T, H, D] and ``k`` [T, H_kv, D], rotated at ``positions`` [T] (possibly in place)."""
+        return layer_ops(q.device).rotary(positions, q, k, self.cos_cache, self.sin_cache)

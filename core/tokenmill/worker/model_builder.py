@@ -9,6 +9,7 @@ from typing import cast
 
 import torch
 
+from tokenmill.layers.linear import process_weights_after_loading
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.worker.model_interface import CausalLM
 
@@ -44,4 +45,6 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {checkpoint.path} lacks parameters {sorted(missing)[:8]}")
+    with torch.no_grad():
+        process_weights_after_loading(model)
     return cast(CausalLM, model.eval())

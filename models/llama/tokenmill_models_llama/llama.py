@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.layers import Attention, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from tokenmill.layers import Attention, Linear, MergedLinear, RMSNorm, RotaryEmbedding, layer_ops
 
 # checkpoint projection name -> (merged parameter, shard index)
 _STACKED = {
@@ -78,10 +78,14 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.is_silu = config.hidden_act == "silu"
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu:  # the common case has a fused op
+            return self.down_proj(layer_ops(gate_up.device).silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -93,9 +97,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block, with the residual stream carried separately so each
+        add fuses with the norm that follows it: returns (MLP output, residual)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,9 +120,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        if residual is None:  # a model without layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)
 
 
 class LlamaForCausalLM(nn.Module):

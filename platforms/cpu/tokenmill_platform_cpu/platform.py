@@ -10,7 +10,10 @@ import os
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.layers import register_layer_ops
 from tokenmill_platform_cpu.cores import usable_cores
+from tokenmill_platform_cpu.kernels import load_kernels
+from tokenmill_platform_cpu.layer_ops import CpuLayerOps
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class CpuPlatform:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.info("CPU platform: %d torch threads", threads)
+        kernels = load_kernels()
+        if kernels is not None:  # without a compiler the layers keep the torch reference ops
+            register_layer_ops("cpu", CpuLayerOps(kernels))
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
         if config.kv_cache_memory is not None:

@@ -191,7 +191,3 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over a block table (float32, CPU)");
-}

@@ -1,0 +1,88 @@
+"""The CPU platform's fused layer ops and packed linear against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers import NativeLayerOps
+from tokenmill_platform_cpu.kernels import kernels_available, load_kernels
+from tokenmill_platform_cpu.layer_ops import PACKED_MAX_ROWS, PACKED_MIN_ROWS, CpuLayerOps
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernels")
+NATIVE = NativeLayerOps()
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuLayerOps:
+    return CpuLayerOps(load_kernels())
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (37, 768), (3, 5, 64), (0, 64)])
+def test_rms_norm(ops, shape):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape) * 3, torch.randn(shape[-1])
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6))
+
+
+def test_rms_norm_of_a_strided_view(ops):
+    """Qwen3 normalises the heads of q, a view into the fused qkv output."""
+    qkv = torch.randn(7, 3 * 4 * 64)
+    q = qkv[:, : 4 * 64].view(7, 4, 64)
+    weight = torch.randn(64)
+    torch.testing.assert_close(ops.rms_norm(q, weight, 1e-5), NATIVE.rms_norm(q, weight, 1e-5))
+
+
+@pytest.mark.parametrize("tokens", [1, 50])
+def test_add_rms_norm_updates_the_residual(ops, tokens):
+    torch.manual_seed(1)
+    x, residual, weight = torch.randn(tokens, 512), torch.randn(tokens, 512), torch.randn(512)
+    expected_residual = residual + x
+    expected = NATIVE.rms_norm(expected_residual, weight, 1e-6)
+    out = ops.add_rms_norm(x.clone(), residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_residual)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_silu_and_mul(ops, tokens):
+    x = torch.randn(tokens, 2 * 1536) * 4
+    torch.testing.assert_close(ops.silu_and_mul(x), NATIVE.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 6])
+def test_rotary_in_place_on_qkv_views(ops, head_size):
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, max_pos = 9, 4, 2, 64
+    angles = torch.rand(max_pos, head_size // 2) * 10
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    positions = torch.randint(0, max_pos, (tokens,))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size)
+    q = qkv[:, : heads * head_size].view(tokens, heads, head_size)
+    k = qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(tokens, kv_heads, head_size)
+    expected_q, expected_k = NATIVE.rotary(positions, q.clone(), k.clone(), cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_size :].clone()
+    got_q, got_k = ops.rotary(positions, q, k, cos, sin)
+    torch.testing.assert_close(got_q, expected_q)
+    torch.testing.assert_close(got_k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 7, 64, 100, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_at_every_row_count(ops, rows, bias):
+    torch.manual_seed(3)
+    weight = torch.randn(384, 256)
+    b = torch.randn(384) if bias else None
+    prepared = ops.prepare_linear_weight(weight)
+    assert prepared is not None  # torch's CPU wheels ship MKL
+    x = torch.randn(rows, 256)
+    torch.testing.assert_close(ops.linear(x, weight, b, prepared), torch.nn.functional.linear(x, weight, b),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_other_dtypes_fall_back_to_the_reference(ops):
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    weight = torch.randn(64, dtype=torch.bfloat16)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6))
+    assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None

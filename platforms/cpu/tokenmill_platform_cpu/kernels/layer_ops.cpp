@@ -1,0 +1,144 @@
+// Fused float32 layer ops for the CPU: RMSNorm (alone and after the residual
+// add), SiLU-and-multiply and the rotary embedding. Each is one pass over its
+// rows instead of the five to eight torch ops (and temporaries) of the
+// reference in tokenmill.layers.ops, which at decode batch sizes cost more in
+// dispatch than in arithmetic. Rows are spread over threads only when there
+// are enough of them to pay for waking the threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+// Rows per task: at least ~16K elements of work.
+inline int64_t grain(int64_t row_length) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_length)); }
+
+inline void check_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), name, ": float32 CPU tensors only");
+}
+
+// out = weight * (x / sqrt(mean(x^2) + eps)), the reference's order of operations
+inline void norm_row(const float* x, const float* weight, float* out, int64_t d, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < d; ++i) squares += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_float(x, "rms_norm");
+  const int64_t d = x.size(-1);
+  auto rows = x.reshape({-1, d}).contiguous();
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(rows);
+  const float* in_ptr = rows.data_ptr<float>();
+  const float* w_ptr = w.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows.size(0), grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(in_ptr + r * d, w_ptr, out_ptr + r * d, d, static_cast<float>(eps));
+  });
+  return out.view(x.sizes());
+}
+
+// residual += x, then x = rms_norm(residual), both in place; returns x.
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_float(x, "add_rms_norm_");
+  check_float(residual, "add_rms_norm_");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
+              "add_rms_norm_: contiguous tensors of one shape");
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  auto w = weight.contiguous();
+  float* x_ptr = x.data_ptr<float>();
+  float* res_ptr = residual.data_ptr<float>();
+  const float* w_ptr = w.data_ptr<float>();
+  at::parallel_for(0, n, grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = res_ptr + r * d;
+      float* row = x_ptr + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) res[i] += row[i];
+      norm_row(res, w_ptr, row, d, static_cast<float>(eps));
+    }
+  });
+  return x;
+}
+
+// [T, 2I] -> [T, I]: silu(first half) * second half
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_float(x, "silu_and_mul");
+  auto in = x.contiguous();
+  const int64_t width = in.size(-1), half = width / 2, n = in.numel() / width;
+  auto sizes = in.sizes().vec();
+  sizes.back() = half;
+  auto out = torch::empty(sizes, in.options());
+  const float* in_ptr = in.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in_ptr + r * width;
+      const float* up = gate + half;
+      float* o = out_ptr + r * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// Rotates every head of one token in place (GPT-NeoX layout: the two halves of
+// the head are the pair), with cos/sin rows that repeat their first half.
+inline void rotate_token(float* x, int64_t heads, int64_t head_stride, int64_t d, const float* cos,
+                         const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x1 = x + h * head_stride;
+    float* x2 = x1 + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * cos[i] - b * sin[i];
+      x2[i] = b * cos[half + i] + a * sin[half + i];
+    }
+  }
+}
+
+void check_heads(const torch::Tensor& t, const char* name) {
+  check_float(t, name);
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, ": [tokens, heads, head_size] with contiguous heads");
+}
+
+}  // namespace
+
+// q [T, H, D] and k [T, H_kv, D] (token stride free, e.g. views of the fused
+// qkv output) rotated in place at positions [T].
+void rotary_embedding_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
+                       torch::Tensor sin_cache) {
+  check_heads(q, "rotary_embedding_ q");
+  check_heads(k, "rotary_embedding_ k");
+  auto pos = positions.contiguous();
+  auto cos_c = cos_cache.contiguous();
+  auto sin_c = sin_cache.contiguous();
+  const int64_t d = q.size(2);
+  const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+  float* q_ptr = q.data_ptr<float>();
+  float* k_ptr = k.data_ptr<float>();
+  const float* cos_ptr = cos_c.data_ptr<float>();
+  const float* sin_ptr = sin_c.data_ptr<float>();
+  const int64_t q_heads = q.size(1), k_heads = k.size(1);
+  at::parallel_for(0, q.size(0), grain((q_heads + k_heads) * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_ptr + pos_ptr[t] * d;
+      const float* sin = sin_ptr + pos_ptr[t] * d;
+      rotate_token(q_ptr + t * q.stride(0), q_heads, q.stride(1), d, cos, sin);
+      rotate_token(k_ptr + t * k.stride(0), k_heads, k.stride(1), d, cos, sin);
+    }
+  });
+}
