@@ -111,6 +111,15 @@ def test_greedy_is_argmax_and_input_untouched() -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("extra", [{}, {"top_k": 5, "top_p": 0.8, "min_p": 0.05}, {"logit_bias": {3: 2.0}},
+                                   {"min_tokens": 4}, {"repetition_penalty": 1.3}])
+def test_random_sampling_leaves_the_input_untouched(extra) -> None:
+    logits = random_logits(4)
+    before = logits.clone()
+    Sampler()(logits, build([SamplingParams(temperature=0.8, **extra) for _ in range(4)]))
+    assert torch.equal(logits, before)
+
+
 def test_greedy_on_half_precision_logits() -> None:
     logits = random_logits(3).to(torch.bfloat16)
     out = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 3))

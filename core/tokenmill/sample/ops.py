@@ -1,7 +1,8 @@
 """Batched logits transforms for random sampling, and the random draw itself.
 
-Every function takes float32 logits ``[B, V]`` that the sampler owns and may
-modify them in place; masked tokens become ``-inf``.
+Every function takes float32 logits ``[B, V]``; all but ``apply_temperature``
+(which the random path applies first) modify them in place. Masked tokens
+become ``-inf``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ _NEG_INF = float("-inf")
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature, in place.
+    """Each row divided by its temperature, as a new tensor (the sampler relies on
+    this to leave its caller's logits untouched; the edits after it are in place).
 
     Greedy rows (temperature ~0) are divided by 1 instead: their random draw
     is discarded, but a division by zero would spread NaN/inf through it.
     """
     safe = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
-    return logits.div_(safe.unsqueeze(1))
+    return logits / safe.unsqueeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

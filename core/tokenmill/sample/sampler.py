@@ -41,9 +41,12 @@ class Sampler(torch.nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
 
-        # Everything below edits in place: work on our own float32 copy so
-        # the caller's tensor is left as it was.
-        logits = logits.to(torch.float32, copy=True)
+        # The caller's tensor is left as it was. Logit bias and min-tokens edit in
+        # place, so they get our own copy; the plain path's first edit (temperature)
+        # writes a new tensor anyway, which saves a [B, V] copy per step.
+        logits = logits.float()
+        if metadata.min_tokens or any(metadata.logit_bias):
+            logits = logits.clone()
         logits = self.apply_logits_processors(logits, metadata)
         sampled = self.sample(logits, metadata)
 
