@@ -1,14 +1,14 @@
 // The Python module of the CPU platform's kernels (one per .cpp file beside this one).
 #include <torch/extension.h>
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_table, torch::Tensor token_request,
-                              torch::Tensor token_position, double scale, int64_t sliding_window);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void rotary_embedding_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
-                       torch::Tensor sin_cache);
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                              at::Tensor block_table, at::Tensor token_request,
+                              at::Tensor token_position, double scale, int64_t sliding_window);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor x);
+void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
+                       at::Tensor sin_cache);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (float32)");

@@ -4,7 +4,7 @@
 // reference in tokenmill.layers.ops, which at decode batch sizes cost more in
 // dispatch than in arithmetic. Rows are spread over threads only when there
 // are enough of them to pay for waking the threads.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,8 +15,8 @@ namespace {
 // Rows per task: at least ~16K elements of work.
 inline int64_t grain(int64_t row_length) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_length)); }
 
-inline void check_float(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), name, ": float32 CPU tensors only");
+inline void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": float32 CPU tensors only");
 }
 
 // out = weight * (x / sqrt(mean(x^2) + eps)), the reference's order of operations
@@ -31,12 +31,12 @@ inline void norm_row(const float* x, const float* weight, float* out, int64_t d,
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_float(x, "rms_norm");
   const int64_t d = x.size(-1);
   auto rows = x.reshape({-1, d}).contiguous();
   auto w = weight.contiguous();
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   const float* in_ptr = rows.data_ptr<float>();
   const float* w_ptr = w.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
@@ -47,7 +47,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x, then x = rms_norm(residual), both in place; returns x.
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_float(x, "add_rms_norm_");
   check_float(residual, "add_rms_norm_");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
@@ -70,13 +70,13 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 }
 
 // [T, 2I] -> [T, I]: silu(first half) * second half
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_float(x, "silu_and_mul");
   auto in = x.contiguous();
   const int64_t width = in.size(-1), half = width / 2, n = in.numel() / width;
   auto sizes = in.sizes().vec();
   sizes.back() = half;
-  auto out = torch::empty(sizes, in.options());
+  auto out = at::empty(sizes, in.options());
   const float* in_ptr = in.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
@@ -110,7 +110,7 @@ inline void rotate_token(float* x, int64_t heads, int64_t head_stride, int64_t d
   }
 }
 
-void check_heads(const torch::Tensor& t, const char* name) {
+void check_heads(const at::Tensor& t, const char* name) {
   check_float(t, name);
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, ": [tokens, heads, head_size] with contiguous heads");
 }
@@ -119,8 +119,8 @@ void check_heads(const torch::Tensor& t, const char* name) {
 
 // q [T, H, D] and k [T, H_kv, D] (token stride free, e.g. views of the fused
 // qkv output) rotated in place at positions [T].
-void rotary_embedding_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
-                       torch::Tensor sin_cache) {
+void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
+                       at::Tensor sin_cache) {
   check_heads(q, "rotary_embedding_ q");
   check_heads(k, "rotary_embedding_ k");
   auto pos = positions.contiguous();

@@ -11,7 +11,7 @@
 // Shapes: query [T, H, D]; key_cache, value_cache [num_blocks, block_size, H_kv, D];
 // block_table [B, max_blocks]; token_request [T] and token_position [T] say which
 // request a query token belongs to and its position in that sequence.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -153,15 +153,15 @@ inline void attend_any(const Task& t, const float* q, float* out, std::vector<fl
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                 torch::Tensor block_table, torch::Tensor token_request,
-                                 torch::Tensor token_position, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_attention: float32 only");
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                 at::Tensor block_table, at::Tensor token_request,
+                                 at::Tensor token_position, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 only");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
   const int64_t tokens = query.size(0), heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   auto table = block_table.contiguous();
   auto req = token_request.contiguous();
   auto pos = token_position.contiguous();
