@@ -25,7 +25,9 @@ class UniProcExecutor(Executor):
         return self.platform.kv_cache_bytes(self.config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+        # Optional platform method: how much of the cache to fault in now (see CpuPlatform).
+        prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
+        self.runner.allocate_kv_cache(num_blocks, prefault(self.config) if prefault is not None else 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

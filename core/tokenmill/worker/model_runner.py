@@ -42,11 +42,17 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
+        """``prefault_bytes``: how much of the cache to write now, lowest block ids first
+        (a fresh block pool hands those out first), so that the first requests do not
+        pay for faulting in fresh pages."""
         self.kv_caches = []
+        prefault_blocks = min(num_blocks, prefault_bytes // self.kv_bytes_per_block())
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             cache = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+            for tensor in cache:
+                tensor[:prefault_blocks].zero_()
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
 

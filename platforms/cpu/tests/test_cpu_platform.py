@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tokenmill.config import EngineConfig
@@ -51,3 +52,14 @@ def test_threads_and_kv_budget():
     assert platform.kv_cache_bytes(EngineConfig(kv_cache_memory="3MiB")) == 3 << 20
     assert 0 < platform.kv_cache_bytes(EngineConfig()) <= 1 << 30
     assert platform.default_dtype() == torch.float32
+
+
+def test_kv_prefault_is_bounded_by_the_budget(monkeypatch):
+    platform = CpuPlatform()
+    assert platform.kv_cache_prefault_bytes(EngineConfig(kv_cache_memory="1GiB")) == 256 << 20
+    assert platform.kv_cache_prefault_bytes(EngineConfig(kv_cache_memory="32MiB")) == 32 << 20
+    monkeypatch.setenv("TOKENMILL_KV_PREFAULT", "0")
+    assert platform.kv_cache_prefault_bytes(EngineConfig(kv_cache_memory="1GiB")) == 0
+    monkeypatch.setenv("TOKENMILL_KV_PREFAULT", "a lot")
+    with pytest.raises(ValueError, match="not a memory size"):
+        platform.kv_cache_prefault_bytes(EngineConfig())
