@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.sample.kernels import sampling_kernels
 from tokenmill.sample.metadata import GREEDY_EPS
 
 __all__ = [
@@ -29,8 +30,20 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     Greedy rows (temperature ~0) are divided by 1 instead: their random draw
     is discarded, but a division by zero would spread NaN/inf through it.
     """
-    safe = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
-    return logits / safe.unsqueeze(1)
+    return logits / _safe_temperature(temperature).unsqueeze(1)
+
+
+def _safe_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    return torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
+
+
+def _uniforms(rows: int, device: torch.device, dtype: torch.dtype,
+              generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One uniform number per row; seeded rows draw theirs from their own generator."""
+    uniform = torch.rand(rows, device=device, dtype=dtype)
+    for row, generator in generators.items():
+        uniform[row] = torch.rand(1, generator=generator, device=device, dtype=dtype)
+    return uniform
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -93,9 +106,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     only on their own probabilities and seed, never on the other rows of the batch.
     """
     rows, vocab = probs.shape
-    uniform = torch.rand(rows, 1, device=probs.device, dtype=probs.dtype)
-    for row, generator in generators.items():
-        uniform[row] = torch.rand(1, generator=generator, device=probs.device, dtype=probs.dtype)
+    uniform = _uniforms(rows, probs.device, probs.dtype, generators).unsqueeze(1)
 
     full = vocab // _CDF_CHUNK * _CDF_CHUNK
     chunk_mass = probs[:, :full].reshape(rows, full // _CDF_CHUNK, _CDF_CHUNK).sum(-1)
@@ -126,6 +137,10 @@ def random_sample(
     generators: dict[int, torch.Generator],
 ) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p, then the random draw: ``[B]`` int64 tokens."""
+    kernels = sampling_kernels(logits.device)
+    if kernels is not None and min_p is None and top_k is None and top_p is None and logits.dtype == torch.float32:
+        uniform = _uniforms(logits.shape[0], logits.device, torch.float32, generators)
+        return kernels.temperature_sample(logits, _safe_temperature(temperature), uniform)
     logits = apply_temperature(logits, temperature)
     if min_p is not None:
         logits = apply_min_p(logits, min_p)

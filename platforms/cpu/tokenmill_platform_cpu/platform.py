@@ -11,9 +11,11 @@ import torch
 
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.layers import register_layer_ops
+from tokenmill.sample.kernels import register_sampling_kernels
 from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.layer_ops import CpuLayerOps
+from tokenmill_platform_cpu.sampling import CpuSamplingKernels
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +51,9 @@ class CpuPlatform:
             torch.set_num_threads(threads)
         logger.info("CPU platform: %d torch threads", threads)
         kernels = load_kernels()
-        if kernels is not None:  # without a compiler the layers keep the torch reference ops
+        if kernels is not None:  # without a compiler the torch reference ops run
             register_layer_ops("cpu", CpuLayerOps(kernels))
+            register_sampling_kernels("cpu", CpuSamplingKernels(kernels))
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
         if config.kv_cache_memory is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "sampling.cpp")]
 
 
 @functools.cache

@@ -9,6 +9,7 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
 at::Tensor silu_and_mul(at::Tensor x);
 void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                        at::Tensor sin_cache);
+at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Tensor uniform);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (float32)");
@@ -16,4 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:] (float32)");
   m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32)");
+  m.def("temperature_sample", &temperature_sample, "Inverse-CDF draw from softmax(logits / t) per row (float32)");
 }
