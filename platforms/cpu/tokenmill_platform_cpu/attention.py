@@ -5,7 +5,9 @@ which reads each request's keys and values in place through its block table
 instead of gathering them into a padded copy first — the gather was half of a
 decode step's time with the SDPA reference backend. Long query chunks
 (prefills) go through torch SDPA per request, whose blocked kernel beats a
-per-token walk once a query attends to many keys.
+per-token walk once a query attends to many keys: a whole prompt attends to
+the keys just computed with a plain causal mask; a chunk that continues a
+cached prefix gathers its blocks and uses an explicit mask.
 """
 
 from __future__ import annotations
@@ -82,14 +84,25 @@ class CpuPagedAttentionBackend:
             out[step.kernel_tokens] = self._paged(layer, query[step.kernel_tokens].contiguous(), kv_cache,
                                                   metadata, step)
         for chunk in step.chunks:
-            out[chunk.start:chunk.end] = self._sdpa(layer, query[chunk.start:chunk.end], kv_cache, metadata,
-                                                    chunk, step)
+            rows = slice(chunk.start, chunk.end)
+            if chunk.context_len == 0 and (layer.sliding_window is None or layer.sliding_window >= chunk.seq_len):
+                # A whole prompt: its keys are the ones just computed, and the mask is plain causal.
+                out[rows] = self._causal(layer, query[rows], key[rows], value[rows])
+            else:
+                out[rows] = self._sdpa(layer, query[rows], kv_cache, metadata, chunk, step)
         return out
 
     def _paged(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                step: PagedStepData) -> torch.Tensor:
         return self._kernel(query, kv_cache[0], kv_cache[1], metadata.block_table, step.token_request,
                             step.token_position, layer.scale, layer.sliding_window or 0)
+
+    @staticmethod
+    def _causal(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        return out.transpose(0, 1)
 
     def _sdpa(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
               chunk: _Chunk, step: PagedStepData) -> torch.Tensor:
