@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, c
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_interface import CausalLM
+from tokenmill.worker.prefault import populate_in_background
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -36,6 +38,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
+        self.prefault_thread: threading.Thread | None = None
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -43,18 +46,19 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
-        """``prefault_bytes``: how much of the cache to write now, lowest block ids first
-        (a fresh block pool hands those out first), so that the first requests do not
-        pay for faulting in fresh pages."""
+        """``prefault_bytes`` (CPU): how much of the cache to fault in on a background
+        thread, lowest block ids first (a fresh block pool hands those out first), so
+        that the first requests do not pay for faulting in fresh pages."""
         self.kv_caches = []
         prefault_blocks = min(num_blocks, prefault_bytes // self.kv_bytes_per_block())
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             cache = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-            for tensor in cache:
-                tensor[:prefault_blocks].zero_()
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
+        if prefault_blocks and self.device.type == "cpu":
+            self.prefault_thread = populate_in_background(
+                [(t.data_ptr(), t[:prefault_blocks].nbytes) for cache in self.kv_caches for t in cache])
 
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()

@@ -63,9 +63,9 @@ class CpuPlatform:
     def kv_cache_prefault_bytes(self, config: EngineConfig) -> int:
         """The KV cache comes from calloc, so blocks never written cost no memory; but the
         first write to each page is a page fault, 5-15 µs each on these VMs (~5% of a
-        throughput run). Writing the first ``TOKENMILL_KV_PREFAULT`` bytes (default
-        256 MiB, ~0.4 s) at start-up takes that out of the first requests, and holds
-        memory the first few hundred sequences would take anyway."""
+        throughput run). The first ``TOKENMILL_KV_PREFAULT`` bytes (default 256 MiB) are
+        faulted in on a background thread at start-up (tokenmill.worker.prefault), which
+        holds memory the first few hundred sequences would take anyway."""
         wanted = parse_size(os.environ.get("TOKENMILL_KV_PREFAULT", DEFAULT_KV_PREFAULT))
         return min(wanted, self.kv_cache_bytes(config))
 
