@@ -63,3 +63,13 @@ def test_kv_prefault_is_bounded_by_the_budget(monkeypatch):
     monkeypatch.setenv("TOKENMILL_KV_PREFAULT", "a lot")
     with pytest.raises(ValueError, match="not a memory size"):
         platform.kv_cache_prefault_bytes(EngineConfig())
+
+
+def test_packed_weights_budget(monkeypatch):
+    from tokenmill_platform_cpu.platform import packed_weights_budget
+
+    assert packed_weights_budget() > 0
+    monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", "0")
+    assert packed_weights_budget() == 0
+    monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", "2GiB")
+    assert packed_weights_budget() == 2 << 30

@@ -15,7 +15,7 @@ NATIVE = NativeLayerOps()
 
 @pytest.fixture(scope="module")
 def ops() -> CpuLayerOps:
-    return CpuLayerOps(load_kernels())
+    return CpuLayerOps(load_kernels(), packed_budget=1 << 40)
 
 
 @pytest.mark.parametrize("shape", [(1, 512), (37, 768), (3, 5, 64), (0, 64)])
@@ -86,3 +86,10 @@ def test_other_dtypes_fall_back_to_the_reference(ops):
     weight = torch.randn(64, dtype=torch.bfloat16)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6))
     assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+
+
+def test_packing_stops_at_its_memory_budget():
+    ops = CpuLayerOps(load_kernels(), packed_budget=3 * 64 * 64 * 4)
+    packed = [ops.prepare_linear_weight(torch.randn(64, 64)) for _ in range(5)]
+    assert [p is not None for p in packed] == [True, True, True, False, False]
+    assert ops.prepare_linear_weight(torch.randn(8, 8)) is None  # the budget is spent

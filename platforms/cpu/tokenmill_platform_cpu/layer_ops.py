@@ -8,7 +8,9 @@ multiplication. Packing each weight once after loading (``cblas_sgemm_pack``,
 reached through torch's ``mkl::_mkl_linear`` ops) measured 1.5x (batch 64) to
 2x (batch 16) faster over a whole layer stack. Below ``PACKED_MIN_ROWS`` rows
 (matrix-vector products) and above ``PACKED_MAX_ROWS`` (prefill chunks) the
-plain call is as fast or faster, so the unpacked weight is kept for those.
+plain call is as fast or faster, so the unpacked weight is kept for those. The
+packed copies take as much memory again as the weights they copy: the platform
+bounds them (``TOKENMILL_PACKED_WEIGHTS``, default a quarter of available RAM).
 """
 
 from __future__ import annotations
@@ -31,13 +33,22 @@ _PACK_ROWS_HINT = 64
 
 
 class CpuLayerOps(NativeLayerOps):
-    def __init__(self, kernels: ModuleType) -> None:
+    """``packed_budget``: bytes the packed weight copies may take in all (each packed
+    weight sits beside its plain one, so packing doubles a model's linear weights);
+    weights past it stay unpacked."""
+
+    def __init__(self, kernels: ModuleType, packed_budget: int) -> None:
         self._kernels = kernels
         self._packing: bool | None = None  # None: not checked yet
+        self._packed_budget = packed_budget
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.dtype != torch.float32 or weight.dim() != 2 or not self._packing_available():
             return None
+        size = weight.numel() * weight.element_size()
+        if size > self._packed_budget:
+            return None
+        self._packed_budget -= size
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

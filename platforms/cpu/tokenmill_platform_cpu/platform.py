@@ -34,6 +34,13 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
+def packed_weights_budget() -> int:
+    """Memory the packed copies of linear weights may take: ``TOKENMILL_PACKED_WEIGHTS``
+    (``0`` disables packing), by default a quarter of available RAM."""
+    configured = os.environ.get("TOKENMILL_PACKED_WEIGHTS")
+    return parse_size(configured) if configured is not None else available_memory_bytes() // 4
+
+
 class CpuPlatform:
     name = "cpu"
     device_type = "cpu"
@@ -52,7 +59,7 @@ class CpuPlatform:
         logger.info("CPU platform: %d torch threads", threads)
         kernels = load_kernels()
         if kernels is not None:  # without a compiler the torch reference ops run
-            register_layer_ops("cpu", CpuLayerOps(kernels))
+            register_layer_ops("cpu", CpuLayerOps(kernels, packed_weights_budget()))
             register_sampling_kernels("cpu", CpuSamplingKernels(kernels))
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
