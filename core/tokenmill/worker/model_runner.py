@@ -57,8 +57,9 @@ class ModelRunner:
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
         if prefault_blocks and self.device.type == "cpu":
+            tensors = [t for cache in self.kv_caches for t in cache]
             self.prefault_thread = populate_in_background(
-                [(t.data_ptr(), t[:prefault_blocks].nbytes) for cache in self.kv_caches for t in cache])
+                [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
 
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()

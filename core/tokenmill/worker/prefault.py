@@ -41,8 +41,14 @@ def populate(ranges: Sequence[tuple[int, int]]) -> bool:
     return True
 
 
-def populate_in_background(ranges: Sequence[tuple[int, int]]) -> threading.Thread:
-    """``populate`` on a daemon thread (ctypes releases the GIL during the call)."""
-    thread = threading.Thread(target=populate, args=(list(ranges),), name="tokenmill-kv-prefault", daemon=True)
+def populate_in_background(ranges: Sequence[tuple[int, int]], owners: Sequence[object] = ()) -> threading.Thread:
+    """``populate`` on a daemon thread (ctypes releases the GIL during the call).
+    ``owners`` (the tensors the ranges belong to) are held until it is done, so the
+    memory cannot be freed and reused under it."""
+    def run(ranges: list[tuple[int, int]], owners: list[object]) -> None:
+        populate(ranges)
+
+    thread = threading.Thread(target=run, args=(list(ranges), list(owners)), name="tokenmill-kv-prefault",
+                              daemon=True)
     thread.start()
     return thread
