@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -38,7 +37,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
-        self.prefault_thread: threading.Thread | None = None
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -58,7 +56,7 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if prefault_blocks and self.device.type == "cpu":
             tensors = [t for cache in self.kv_caches for t in cache]
-            self.prefault_thread = populate_in_background(
+            populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
 
     # -- one step ------------------------------------------------------------

@@ -15,6 +15,7 @@ bounds them (``TOKENMILL_PACKED_WEIGHTS``, default a quarter of available RAM).
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import ModuleType
 
@@ -33,9 +34,10 @@ _PACK_ROWS_HINT = 64
 
 
 class CpuLayerOps(NativeLayerOps):
-    """``packed_budget``: bytes the packed weight copies may take in all (each packed
-    weight sits beside its plain one, so packing doubles a model's linear weights);
-    weights past it stay unpacked."""
+    """``packed_budget``: bytes the packed weight copies of the engine being built may
+    take in all (each packed weight sits beside its plain one, so packing doubles a
+    model's linear weights); weights past it stay unpacked. The platform makes a new
+    instance, with a fresh budget, for each engine."""
 
     def __init__(self, kernels: ModuleType, packed_budget: int) -> None:
         self._kernels = kernels
@@ -100,6 +102,7 @@ def _rotary_applies(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor) -
             and q.stride(2) == 1 and k.stride(2) == 1 and q.shape[2] % 2 == 0)
 
 
+@functools.cache  # the answer is the process's (its torch and MKL), not the engine's
 def _packing_works() -> bool:
     """Packed GEMM exists (torch built with MKL) and gives F.linear's results at row
     counts other than the one the layout was packed for."""
