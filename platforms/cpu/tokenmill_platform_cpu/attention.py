@@ -100,21 +100,21 @@ class CpuPagedAttentionBackend:
     @staticmethod
     def _causal(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=layer.scale,
+            _heads_first(query), _heads_first(key), _heads_first(value), is_causal=True, scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def _sdpa(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
               chunk: _Chunk, step: PagedStepData) -> torch.Tensor:
         num_blocks = -(-chunk.seq_len // metadata.block_size)
         blocks = metadata.block_table[chunk.request, :num_blocks]
         shape = (-1, layer.num_kv_heads, layer.head_size)
-        k = kv_cache[0].index_select(0, blocks).view(shape)[: chunk.seq_len].transpose(0, 1)
-        v = kv_cache[1].index_select(0, blocks).view(shape)[: chunk.seq_len].transpose(0, 1)
+        k = kv_cache[0].index_select(0, blocks).view(shape)[: chunk.seq_len]
+        v = kv_cache[1].index_select(0, blocks).view(shape)[: chunk.seq_len]
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), k, v, attn_mask=self._mask(chunk, layer.sliding_window, step),
+            _heads_first(query), _heads_first(k), _heads_first(v), attn_mask=self._mask(chunk, layer.sliding_window, step),
             scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     @staticmethod
     def _mask(chunk: _Chunk, window: int | None, step: PagedStepData) -> torch.Tensor:
@@ -128,3 +128,10 @@ class CpuPagedAttentionBackend:
                 mask &= (query_pos - key_pos) < window
             step.masks[key] = mask
         return step.masks[key]
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [1, H, T, D]. SDPA on the CPU takes its fused (flash) kernel only for
+    4-d inputs: 3-d ones run the unfused math path, 2.3x (128 tokens) to 10x (2,048)
+    slower for a causal prompt."""
+    return x.transpose(0, 1).unsqueeze(0)
