@@ -15,6 +15,7 @@ from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.worker.host_memory import lazy_zeros
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.prefault import populate_in_background
@@ -229,13 +230,10 @@ def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV tensor. On the CPU it comes from calloc (through numpy), whose pages the
-    OS maps lazily: the cache only takes resident memory as blocks are written, so a generous
-    budget costs nothing up front (``torch.zeros`` would touch, and keep, every page)."""
+    """A zero-filled KV tensor; on the CPU resident only where written (see host_memory)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return lazy_zeros(shape, dtype)
 
 
 def _token_logprobs(lists: Any, index: int, num_logprobs: int) -> TokenLogprobs:

@@ -12,6 +12,7 @@ import torch
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.layers import register_layer_ops
 from tokenmill.sample.kernels import register_sampling_kernels
+from tokenmill_platform_cpu.allocator import keep_freed_memory, retain_bytes
 from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.layer_ops import CpuLayerOps
@@ -57,6 +58,7 @@ class CpuPlatform:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.info("CPU platform: %d torch threads", threads)
+        keep_freed_memory(retain_bytes())
         kernels = load_kernels()
         if kernels is not None:  # without a compiler the torch reference ops run
             register_layer_ops("cpu", CpuLayerOps(kernels, packed_weights_budget()))
