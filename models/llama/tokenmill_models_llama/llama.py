@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.contiguous(), metadata)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
         return self.o_proj(out)
 
 

@@ -54,6 +54,7 @@ class CpuPagedAttentionBackend:
         if kernels is None:
             raise RuntimeError("the CPU paged attention kernel could not be built")
         self._kernel = kernels.paged_attention
+        self._write_kv = kernels.write_kv_cache
 
     def prepare(self, metadata: AttentionMetadata) -> PagedStepData:
         query_start = metadata.query_start_loc_cpu
@@ -72,10 +73,7 @@ class CpuPagedAttentionBackend:
 
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        flat_shape = (-1, layer.num_kv_heads, layer.head_size)
-        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        self._write_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         step: PagedStepData = metadata.backend_data
         if step.kernel_tokens is None:
             return self._paged(layer, query.contiguous(), kv_cache, metadata, step)
