@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
+from tokenmill.worker.host_memory import lazy_zeros
 from tokenmill.worker.prefault import populate, populate_in_background
 
 
@@ -19,7 +19,7 @@ def _resident_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux only")
 def test_populated_pages_become_resident_and_keep_their_contents():
     size = 64 << 20
-    buffer = torch.from_numpy(np.zeros(size, dtype=np.uint8))  # calloc: nothing resident yet
+    buffer = lazy_zeros((size,), torch.uint8)  # as the KV cache is mapped: nothing resident yet
     buffer[size // 2] = 7  # a write that must survive
     before = _resident_bytes()
     if not populate([(buffer.data_ptr(), size)]):
@@ -29,6 +29,6 @@ def test_populated_pages_become_resident_and_keep_their_contents():
 
 
 def test_background_thread_finishes_and_bad_ranges_are_refused():
-    buffer = torch.from_numpy(np.zeros(4 << 20, dtype=np.uint8))
+    buffer = lazy_zeros((4 << 20,), torch.uint8)
     populate_in_background([(buffer.data_ptr(), buffer.numel())]).join(timeout=30)
     assert populate([(8, 1 << 20)]) is False  # not mapped: the kernel refuses, nothing breaks
