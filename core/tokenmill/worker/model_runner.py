@@ -124,11 +124,13 @@ class ModelRunner:
         if len(sample_rows) == 0:
             return
         indices = inputs.query_start[1:][mask] - 1
-        logits = self.model.compute_logits(hidden[torch.from_numpy(indices).to(self.device)])
+        # Sampling works in float32; converting first also keeps the max below off
+        # bfloat16, for which torch's reduction is ~10x slower.
+        logits = self.model.compute_logits(hidden[torch.from_numpy(indices).to(self.device)]).float()
         states = [self.batch.states[r] for r in sample_rows]
         apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
         row_max = logits.amax(dim=-1)  # max propagates NaN: a broken row shows in it
-        drawn = self._draw(logits.float(), states, output)  # rows are independent: a NaN row spoils only itself
+        drawn = self._draw(logits, states, output)  # rows are independent: a NaN row spoils only itself
         failed = _unsampleable_rows(row_max)  # read after the draw, whose token copy has already synchronised
         for i, reason in failed.items():  # that request fails alone
             output.errors[states[i].req_id] = reason

@@ -83,10 +83,35 @@ def test_packed_linear_matches_f_linear_at_every_row_count(ops, rows, bias):
 
 
 def test_other_dtypes_fall_back_to_the_reference(ops):
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    weight = torch.randn(64, dtype=torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.float16)
+    weight = torch.randn(64, dtype=torch.float16)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6))
     assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_bfloat16_ops_round_the_float32_result_once(ops, tokens):
+    """bfloat16 in, float32 arithmetic, one rounding out (the reference rounds between its ops)."""
+    torch.manual_seed(4)
+    x, residual = (torch.randn(tokens, 512) * 3).bfloat16(), torch.randn(tokens, 512).bfloat16()
+    weight = torch.randn(512).bfloat16()
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6),
+                               NATIVE.rms_norm(x.float(), weight.float(), 1e-6).bfloat16())
+    summed = residual.clone()
+    out = ops.add_rms_norm(x.clone(), summed, weight, 1e-6)
+    assert torch.equal(summed, (residual.float() + x.float()).bfloat16())
+    torch.testing.assert_close(out, NATIVE.rms_norm(summed.float(), weight.float(), 1e-6).bfloat16())
+    gate_up = (torch.randn(tokens, 2 * 256) * 4).bfloat16()
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), NATIVE.silu_and_mul(gate_up.float()).bfloat16())
+    angles = torch.rand(32, 32) * 10
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    positions = torch.randint(0, 32, (tokens,))
+    qkv = torch.randn(tokens, 8 * 64).bfloat16()
+    q, k = qkv[:, : 4 * 64].view(tokens, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(tokens, 2, 64)
+    expected_q, expected_k = NATIVE.rotary(positions, q.float(), k.float(), cos, sin)
+    got_q, got_k = ops.rotary(positions, q, k, cos, sin)
+    torch.testing.assert_close(got_q, expected_q.bfloat16())
+    torch.testing.assert_close(got_k, expected_k.bfloat16())
 
 
 def test_packing_stops_at_its_memory_budget():

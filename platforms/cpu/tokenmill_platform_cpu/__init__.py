@@ -22,7 +22,7 @@ def tokenmill_register_attention_backends(platform: Any) -> list[AttentionBacken
             name="cpu-paged",
             qualname="tokenmill_platform_cpu.attention:CpuPagedAttentionBackend",
             device_types=("cpu",),
-            dtypes=("float32",),
+            dtypes=("float32", "bfloat16"),
             priority=10,
         )
     ]

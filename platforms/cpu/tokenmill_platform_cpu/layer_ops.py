@@ -1,6 +1,7 @@
-"""The CPU platform's layer ops: fused C++ kernels for the elementwise ops and
-MKL's packed GEMM for the linear layers (float32); anything else goes to the
-torch reference they are tested against.
+"""The CPU platform's layer ops: fused C++ kernels for the elementwise ops
+(float32 and bfloat16) and MKL's packed GEMM for the linear layers (float32;
+bfloat16 matmuls go to torch, which runs them on oneDNN, with AMX where the CPU
+has it); anything else goes to the torch reference they are tested against.
 
 Packed GEMM: MKL's ``sgemm`` repacks the weight matrix into its internal
 layout on every call, which at decode batch sizes costs as much as the
@@ -26,6 +27,8 @@ from tokenmill.layers import NativeLayerOps
 
 logger = logging.getLogger(__name__)
 
+# The fused kernels' dtypes (bfloat16 is computed in float32 and rounded once).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_MIN_ROWS = 4
 PACKED_MAX_ROWS = 512
 # The layout is packed for this many rows; MKL computes any row count from it
@@ -69,7 +72,7 @@ class CpuLayerOps(NativeLayerOps):
         return self._packing
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
             return super().rms_norm(x, weight, eps)
         return self._kernels.rms_norm(x, weight, eps)
 
@@ -80,7 +83,7 @@ class CpuLayerOps(NativeLayerOps):
         return self._kernels.add_rms_norm_(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype not in KERNEL_DTYPES:
             return super().silu_and_mul(x)
         return self._kernels.silu_and_mul(x)
 
@@ -93,13 +96,13 @@ class CpuLayerOps(NativeLayerOps):
 
 
 def _fused_add_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == residual.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+    return (x.dtype in KERNEL_DTYPES and x.dtype == residual.dtype == weight.dtype and x.is_contiguous()
             and residual.is_contiguous() and x.shape == residual.shape)
 
 
 def _rotary_applies(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor) -> bool:
-    return (q.dtype == k.dtype == cos_cache.dtype == torch.float32 and q.dim() == k.dim() == 3
-            and q.stride(2) == 1 and k.stride(2) == 1 and q.shape[2] % 2 == 0)
+    return (q.dtype in KERNEL_DTYPES and q.dtype == k.dtype and cos_cache.dtype == torch.float32
+            and q.dim() == k.dim() == 3 and q.stride(2) == 1 and k.stride(2) == 1 and q.shape[2] % 2 == 0)
 
 
 @functools.cache  # the answer is the process's (its torch and MKL), not the engine's

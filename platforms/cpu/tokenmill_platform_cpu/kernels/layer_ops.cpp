@@ -1,8 +1,10 @@
-// Fused float32 layer ops for the CPU: RMSNorm (alone and after the residual
-// add), SiLU-and-multiply and the rotary embedding. Each is one pass over its
-// rows instead of the five to eight torch ops (and temporaries) of the
-// reference in tokenmill.layers.ops, which at decode batch sizes cost more in
-// dispatch than in arithmetic. Rows are spread over threads only when there
+// Fused layer ops for the CPU: RMSNorm (alone and after the residual add),
+// SiLU-and-multiply and the rotary embedding, for float32 and bfloat16 tensors
+// (bfloat16 is widened to float32 for the arithmetic and rounded once on the way
+// out; the rotary tables stay float32). Each is one pass over its rows instead
+// of the five to eight torch ops (and temporaries) of the reference in
+// tokenmill.layers.ops, which at decode batch sizes cost more in dispatch than
+// in arithmetic. Rows are spread over threads only when there
 // are enough of them to pay for waking the threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,78 +17,102 @@ namespace {
 // Rows per task: at least ~16K elements of work.
 inline int64_t grain(int64_t row_length) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_length)); }
 
-inline void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": float32 CPU tensors only");
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Runs fn with a value of the element type of `dtype` (float or c10::BFloat16).
+template <typename Fn>
+void with_element_type(const at::Tensor& t, const char* name, Fn fn) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
+  if (t.scalar_type() == at::kFloat) return fn(float{});
+  if (t.scalar_type() == at::kBFloat16) return fn(c10::BFloat16{});
+  TORCH_CHECK(false, name, ": float32 or bfloat16 tensors only");
+}
+
+void check_same_type(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, ": tensors of one dtype");
 }
 
 // out = weight * (x / sqrt(mean(x^2) + eps)), the reference's order of operations
-inline void norm_row(const float* x, const float* weight, float* out, int64_t d, float eps) {
+template <typename T>
+inline void norm_row(const T* x, const T* weight, T* out, int64_t d, float eps) {
   float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < d; ++i) squares += x[i] * x[i];
+  for (int64_t i = 0; i < d; ++i) squares += widen(x[i]) * widen(x[i]);
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) out[i] = weight[i] * (x[i] * inv);
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(widen(weight[i]) * (widen(x[i]) * inv));
 }
 
 }  // namespace
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
-  check_float(x, "rms_norm");
+  check_same_type(x, weight, "rms_norm");
   const int64_t d = x.size(-1);
   auto rows = x.reshape({-1, d}).contiguous();
   auto w = weight.contiguous();
   auto out = at::empty_like(rows);
-  const float* in_ptr = rows.data_ptr<float>();
-  const float* w_ptr = w.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), grain(d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(in_ptr + r * d, w_ptr, out_ptr + r * d, d, static_cast<float>(eps));
+  with_element_type(x, "rms_norm", [&](auto element) {
+    using T = decltype(element);
+    const T* in_ptr = rows.data_ptr<T>();
+    const T* w_ptr = w.data_ptr<T>();
+    T* out_ptr = out.data_ptr<T>();
+    at::parallel_for(0, rows.size(0), grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(in_ptr + r * d, w_ptr, out_ptr + r * d, d, static_cast<float>(eps));
+    });
   });
   return out.view(x.sizes());
 }
 
 // residual += x, then x = rms_norm(residual), both in place; returns x.
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_float(x, "add_rms_norm_");
-  check_float(residual, "add_rms_norm_");
+  check_same_type(x, residual, "add_rms_norm_");
+  check_same_type(x, weight, "add_rms_norm_");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
               "add_rms_norm_: contiguous tensors of one shape");
   const int64_t d = x.size(-1), n = x.numel() / d;
   auto w = weight.contiguous();
-  float* x_ptr = x.data_ptr<float>();
-  float* res_ptr = residual.data_ptr<float>();
-  const float* w_ptr = w.data_ptr<float>();
-  at::parallel_for(0, n, grain(d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* res = res_ptr + r * d;
-      float* row = x_ptr + r * d;
+  with_element_type(x, "add_rms_norm_", [&](auto element) {
+    using T = decltype(element);
+    T* x_ptr = x.data_ptr<T>();
+    T* res_ptr = residual.data_ptr<T>();
+    const T* w_ptr = w.data_ptr<T>();
+    at::parallel_for(0, n, grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* res = res_ptr + r * d;
+        T* row = x_ptr + r * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) res[i] += row[i];
-      norm_row(res, w_ptr, row, d, static_cast<float>(eps));
-    }
+        for (int64_t i = 0; i < d; ++i) res[i] = static_cast<T>(widen(res[i]) + widen(row[i]));
+        norm_row(res, w_ptr, row, d, static_cast<float>(eps));
+      }
+    });
   });
   return x;
 }
 
 // [T, 2I] -> [T, I]: silu(first half) * second half
 at::Tensor silu_and_mul(at::Tensor x) {
-  check_float(x, "silu_and_mul");
   auto in = x.contiguous();
   const int64_t width = in.size(-1), half = width / 2, n = in.numel() / width;
   auto sizes = in.sizes().vec();
   sizes.back() = half;
   auto out = at::empty(sizes, in.options());
-  const float* in_ptr = in.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = in_ptr + r * width;
-      const float* up = gate + half;
-      float* o = out_ptr + r * half;
+  with_element_type(x, "silu_and_mul", [&](auto element) {
+    using T = decltype(element);
+    const T* in_ptr = in.data_ptr<T>();
+    T* out_ptr = out.data_ptr<T>();
+    at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = in_ptr + r * width;
+        const T* up = gate + half;
+        T* o = out_ptr + r * half;
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+        for (int64_t i = 0; i < half; ++i) {
+          const float g = widen(gate[i]);
+          o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * widen(up[i]));
+        }
+      }
+    });
   });
   return out;
 }
@@ -95,50 +121,55 @@ namespace {
 
 // Rotates every head of one token in place (GPT-NeoX layout: the two halves of
 // the head are the pair), with cos/sin rows that repeat their first half.
-inline void rotate_token(float* x, int64_t heads, int64_t head_stride, int64_t d, const float* cos,
-                         const float* sin) {
+template <typename T>
+inline void rotate_token(T* x, int64_t heads, int64_t head_stride, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    float* x1 = x + h * head_stride;
-    float* x2 = x1 + half;
+    T* x1 = x + h * head_stride;
+    T* x2 = x1 + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      const float a = x1[i], b = x2[i];
-      x1[i] = a * cos[i] - b * sin[i];
-      x2[i] = b * cos[half + i] + a * sin[half + i];
+      const float a = widen(x1[i]), b = widen(x2[i]);
+      x1[i] = static_cast<T>(a * cos[i] - b * sin[i]);
+      x2[i] = static_cast<T>(b * cos[half + i] + a * sin[half + i]);
     }
   }
 }
 
 void check_heads(const at::Tensor& t, const char* name) {
-  check_float(t, name);
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, ": [tokens, heads, head_size] with contiguous heads");
 }
 
 }  // namespace
 
 // q [T, H, D] and k [T, H_kv, D] (token stride free, e.g. views of the fused
-// qkv output) rotated in place at positions [T].
+// qkv output) rotated in place at positions [T]; cos/sin tables float32.
 void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                        at::Tensor sin_cache) {
   check_heads(q, "rotary_embedding_ q");
   check_heads(k, "rotary_embedding_ k");
+  check_same_type(q, k, "rotary_embedding_");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat,
+              "rotary_embedding_: float32 cos/sin tables");
   auto pos = positions.contiguous();
   auto cos_c = cos_cache.contiguous();
   auto sin_c = sin_cache.contiguous();
   const int64_t d = q.size(2);
   const int64_t* pos_ptr = pos.data_ptr<int64_t>();
-  float* q_ptr = q.data_ptr<float>();
-  float* k_ptr = k.data_ptr<float>();
   const float* cos_ptr = cos_c.data_ptr<float>();
   const float* sin_ptr = sin_c.data_ptr<float>();
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
-  at::parallel_for(0, q.size(0), grain((q_heads + k_heads) * d), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cos_ptr + pos_ptr[t] * d;
-      const float* sin = sin_ptr + pos_ptr[t] * d;
-      rotate_token(q_ptr + t * q.stride(0), q_heads, q.stride(1), d, cos, sin);
-      rotate_token(k_ptr + t * k.stride(0), k_heads, k.stride(1), d, cos, sin);
-    }
+  with_element_type(q, "rotary_embedding_", [&](auto element) {
+    using T = decltype(element);
+    T* q_ptr = q.data_ptr<T>();
+    T* k_ptr = k.data_ptr<T>();
+    at::parallel_for(0, q.size(0), grain((q_heads + k_heads) * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cos_ptr + pos_ptr[t] * d;
+        const float* sin = sin_ptr + pos_ptr[t] * d;
+        rotate_token(q_ptr + t * q.stride(0), q_heads, q.stride(1), d, cos, sin);
+        rotate_token(k_ptr + t * k.stride(0), k_heads, k.stride(1), d, cos, sin);
+      }
+    });
   });
 }

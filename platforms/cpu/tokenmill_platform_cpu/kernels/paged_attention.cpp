@@ -7,6 +7,8 @@
 // online softmax would), then accumulates the value rows weighted by the
 // probabilities, one query head at a time with the accumulator in registers.
 // Head sizes 64 and 128 get AVX-512 bodies; others run portable loops.
+// float32 and bfloat16 (query, cache and output of one dtype): the arithmetic is
+// float32 either way, bfloat16 rows are widened as they are loaded.
 // The kernel is memory bound: a decode batch reads every cached K/V row once.
 // Shapes: query [T, H, D]; key_cache, value_cache [num_blocks, block_size, H_kv, D];
 // block_table [B, max_blocks]; token_request [T] and token_position [T] say which
@@ -18,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,9 +41,10 @@ inline float softmax_numerators(float* scores, int64_t n) {
 // One task: one query token and a range of its KV heads. Keys and values are
 // walked block by block, row by row, so each task reads whole contiguous rows
 // (all its KV heads) in address order.
+template <typename T>
 struct Task {
-  const float* keys;
-  const float* values;
+  const T* keys;
+  const T* values;
   const int64_t* blocks;
   int64_t block_size, row_stride, block_stride;
   int64_t first, last;      // visible key positions, inclusive
@@ -49,14 +53,14 @@ struct Task {
   float scale;
 };
 
-template <typename RowFn>
-inline void for_each_row(const Task& t, const float* base, RowFn fn) {
+template <typename T, typename RowFn>
+inline void for_each_row(const Task<T>& t, const T* base, RowFn fn) {
   int64_t j = t.first;
   while (j <= t.last) {
     const int64_t b = j / t.block_size;
     const int64_t r0 = j - b * t.block_size;
     const int64_t r1 = std::min(t.block_size, t.last - b * t.block_size + 1);
-    const float* block = base + t.blocks[b] * t.block_stride;
+    const T* block = base + t.blocks[b] * t.block_stride;
     for (int64_t r = r0; r < r1; ++r, ++j) fn(j - t.first, block + r * t.row_stride);
   }
 }
@@ -64,45 +68,58 @@ inline void for_each_row(const Task& t, const float* base, RowFn fn) {
 // Head sizes known at compile time get AVX-512 bodies; kDynamic runs the generic loops.
 constexpr int kDynamic = 0;
 
-template <int D>
-inline float dot(const float* a, const float* b, int64_t d) {
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// bfloat16 is the top half of a float32: widen by shifting into place
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// a: the query head (float32), b: a key row of the cache's type
+template <int D, typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
 #ifdef __AVX512F__
   if constexpr (D != kDynamic && D % 16 == 0) {
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int i = 16; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), load16(b));
+    for (int i = 16; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), sum);
     return _mm512_reduce_add_ps(sum);
   }
 #endif
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < d; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < d; ++i) sum += a[i] * widen(b[i]);
   return sum;
 }
 
-template <int D>
-inline void axpy(float p, const float* v, float* a, int64_t d) {
+template <int D, typename T>
+inline void axpy(float p, const T* v, float* a, int64_t d) {
 #ifdef __AVX512F__
   if constexpr (D != kDynamic && D % 16 == 0) {
     const __m512 scale = _mm512_set1_ps(p);
     for (int i = 0; i < D; i += 16)
-      _mm512_storeu_ps(a + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(v + i), _mm512_loadu_ps(a + i)));
+      _mm512_storeu_ps(a + i, _mm512_fmadd_ps(scale, load16(v + i), _mm512_loadu_ps(a + i)));
     return;
   }
 #endif
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
+  for (int64_t i = 0; i < d; ++i) a[i] += p * widen(v[i]);
 }
 
-// out[0:d] = scale * sum_j p[j] * value_row_j[offset : offset + d]
-template <int D>
-inline void weighted_sum(const Task& t, const float* p, int64_t offset, int64_t d, float scale, float* out) {
+// out[0:d] = scale * sum_j p[j] * value_row_j[offset : offset + d]   (out: float32)
+template <int D, typename T>
+inline void weighted_sum(const Task<T>& t, const float* p, int64_t offset, int64_t d, float scale, float* out) {
 #ifdef __AVX512F__
   if constexpr (D != kDynamic && D % 16 == 0) {
     __m512 acc[D / 16];
     for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_setzero_ps();
-    for_each_row(t, t.values, [&](int64_t j, const float* row) {
+    for_each_row(t, t.values, [&](int64_t j, const T* row) {
       const __m512 w = _mm512_set1_ps(p[j]);
-      for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + offset + 16 * i), acc[i]);
+      for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_fmadd_ps(w, load16(row + offset + 16 * i), acc[i]);
     });
     const __m512 factor = _mm512_set1_ps(scale);
     for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], factor));
@@ -110,20 +127,20 @@ inline void weighted_sum(const Task& t, const float* p, int64_t offset, int64_t 
   }
 #endif
   std::fill(out, out + d, 0.f);
-  for_each_row(t, t.values, [&](int64_t j, const float* row) { axpy<D>(p[j], row + offset, out, d); });
+  for_each_row(t, t.values, [&](int64_t j, const T* row) { axpy<D>(p[j], row + offset, out, d); });
   for (int64_t i = 0; i < d; ++i) out[i] *= scale;
 }
 
-template <int D>
-void attend(const Task& t, const float* q, float* out, std::vector<float>& scores) {
+template <int D, typename T>
+void attend(const Task<T>& t, const float* q, float* out, std::vector<float>& scores) {
   const int64_t n = t.last - t.first + 1;
   const int64_t heads = (t.kv_end - t.kv_begin) * t.group;  // query heads of this task
   const int64_t d = D == kDynamic ? t.head_size : D;
   scores.resize(heads * n);
   float* s = scores.data();
-  for_each_row(t, t.keys, [&](int64_t j, const float* row) {
+  for_each_row(t, t.keys, [&](int64_t j, const T* row) {
     for (int64_t h = t.kv_begin; h < t.kv_end; ++h) {
-      const float* k = row + h * d;
+      const T* k = row + h * d;
       for (int64_t g = 0; g < t.group; ++g) {
         const int64_t qh = (h - t.kv_begin) * t.group + g;
         s[qh * n + j] = dot<D>(q + qh * d, k, d) * t.scale;
@@ -143,7 +160,8 @@ void attend(const Task& t, const float* q, float* out, std::vector<float>& score
   }
 }
 
-inline void attend_any(const Task& t, const float* q, float* out, std::vector<float>& scores) {
+template <typename T>
+void attend_any(const Task<T>& t, const float* q, float* out, std::vector<float>& scores) {
   switch (t.head_size) {
     case 64: return attend<64>(t, q, out, scores);
     case 128: return attend<128>(t, q, out, scores);
@@ -151,25 +169,18 @@ inline void attend_any(const Task& t, const float* q, float* out, std::vector<fl
   }
 }
 
-}  // namespace
-
-at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                 at::Tensor block_table, at::Tensor token_request,
-                                 at::Tensor token_position, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 only");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& table, const at::Tensor& req, const at::Tensor& pos, float scale,
+         int64_t sliding_window, at::Tensor& out) {
   const int64_t tokens = query.size(0), heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
-  auto out = at::empty_like(query);
-  auto table = block_table.contiguous();
-  auto req = token_request.contiguous();
-  auto pos = token_position.contiguous();
-  const float* q_ptr = query.data_ptr<float>();
+  const T* q_ptr = query.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
   const int64_t* table_ptr = table.data_ptr<int64_t>();
   const int64_t* req_ptr = req.data_ptr<int64_t>();
   const int64_t* pos_ptr = pos.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
   const int64_t max_blocks = table.size(1);
   const int64_t row_stride = kv_heads * head_size;
   // Enough tasks to keep every thread busy, as few KV-head splits as that allows.
@@ -177,17 +188,47 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
   const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (want + tokens - 1) / tokens));
   const int64_t per_split = (kv_heads + splits - 1) / splits;
   at::parallel_for(0, tokens * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, q32, out32;  // float32 copies of a bfloat16 task's query and output
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / splits, part = task % splits;
-      Task job{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), table_ptr + req_ptr[t] * max_blocks,
-                   block_size, row_stride, block_size * row_stride, 0, pos_ptr[t], part * per_split,
-                   std::min(kv_heads, (part + 1) * per_split), group, head_size, static_cast<float>(scale)};
+      Task<T> job{key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), table_ptr + req_ptr[t] * max_blocks,
+                  block_size, row_stride, block_size * row_stride, 0, pos_ptr[t], part * per_split,
+                  std::min(kv_heads, (part + 1) * per_split), group, head_size, scale};
       if (job.kv_begin >= job.kv_end) continue;
       job.first = sliding_window > 0 ? std::max<int64_t>(0, job.last - sliding_window + 1) : 0;
       const int64_t head0 = (t * heads + job.kv_begin * group) * head_size;
-      attend_any(job, q_ptr + head0, out_ptr + head0, scores);
+      if constexpr (std::is_same_v<T, float>) {
+        attend_any(job, q_ptr + head0, out_ptr + head0, scores);
+      } else {
+        const int64_t count = (job.kv_end - job.kv_begin) * group * head_size;
+        q32.resize(count);
+        out32.resize(count);
+        for (int64_t i = 0; i < count; ++i) q32[i] = widen(q_ptr[head0 + i]);
+        attend_any(job, q32.data(), out32.data(), scores);
+        for (int64_t i = 0; i < count; ++i) out_ptr[head0 + i] = static_cast<T>(out32[i]);
+      }
     }
   });
+}
+
+}  // namespace
+
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_table, at::Tensor token_request,
+                           at::Tensor token_position, double scale, int64_t sliding_window) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "paged_attention: the cache must have the query's dtype");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+  auto out = at::empty_like(query);
+  auto table = block_table.contiguous();
+  auto req = token_request.contiguous();
+  auto pos = token_position.contiguous();
+  if (dtype == at::kFloat)
+    run<float>(query, key_cache, value_cache, table, req, pos, static_cast<float>(scale), sliding_window, out);
+  else
+    run<c10::BFloat16>(query, key_cache, value_cache, table, req, pos, static_cast<float>(scale), sliding_window,
+                       out);
   return out;
 }
