@@ -125,3 +125,17 @@ def test_packing_stops_at_its_memory_budget():
 def test_packing_is_used_where_torch_has_mkl(ops):
     """Guards the skip above: with MKL, the packed path must pass its start-up check."""
     assert ops.prepare_linear_weight(torch.randn(16, 16)) is not None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past the kernel, torch's matmul
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features", [512, 77])  # 77: not a multiple of the kernel's 32-wide steps
+def test_small_bfloat16_linear_matches_float32_rounded_once(ops, rows, bias, in_features):
+    torch.manual_seed(5)
+    weight = torch.randn(300, in_features).bfloat16()
+    b = torch.randn(300).bfloat16() if bias else None
+    x = torch.randn(1, rows, in_features).bfloat16()  # [batch, tokens, features]: leading dims kept
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    got = ops.linear(x, weight, b, None)
+    assert got.shape == (1, rows, 300) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
