@@ -48,6 +48,7 @@ class CpuLayerOps(NativeLayerOps):
 
     def __init__(self, kernels: ModuleType, packed_budget: int) -> None:
         self._kernels = kernels
+        self._small_bf16 = bool(kernels.small_linear_bf16_fast())
         self._packing: bool | None = None  # None: not checked yet
         self._packed_budget = packed_budget
 
@@ -63,7 +64,7 @@ class CpuLayerOps(NativeLayerOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                prepared: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if x.dtype == weight.dtype == torch.bfloat16 and 1 <= rows <= SMALL_BF16_MAX_ROWS:
+        if x.dtype == weight.dtype == torch.bfloat16 and 1 <= rows <= SMALL_BF16_MAX_ROWS and self._small_bf16:
             out = self._kernels.small_linear_bf16(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         if prepared is None or x.dtype != torch.float32 or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:

@@ -4,7 +4,8 @@
 // matmul read them at ~14 GB/s here against ~25 GB/s for float32's: each weight
 // row is read once, for all rows of x, with AVX512-BF16 dot products
 // (vdpbf16ps: 32 products per instruction, exact in float32) where the CPU has
-// them and widened float32 FMAs otherwise.
+// them; elsewhere a scalar loop stands in (correct, slow: the platform then keeps
+// torch's matmul, see small_linear_bf16_fast).
 // Shapes: x [M, K] (M <= 3, contiguous), weight [N, K] (contiguous), bias [N].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -61,6 +62,15 @@ void run(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int64_t
 }
 
 }  // namespace
+
+// Whether this build has the AVX512-BF16 body; without it torch's matmul is the faster choice.
+bool small_linear_bf16_fast() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
 
 at::Tensor small_linear_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
