@@ -41,6 +41,7 @@ class Backend(Protocol):
     vocab_size: int
     max_model_len: int | None
     device: Any  # a torch.device
+    dtype: Any  # the torch.dtype the model runs in
     weights: WeightCounts | None
 
     def run(self, requests: Sequence[BenchRequest], temperature: float,

@@ -65,7 +65,8 @@ class HFBackend:
         path = resolve_model_path(model, config.revision)
         self.device = platform.device()
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, platform))
+        self.dtype = resolve_dtype(config.dtype, platform)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() narrowly
         self.model.generation_config.eos_token_id = None  # ignore EOS, as the tokenmill runs do
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)

@@ -49,8 +49,10 @@ def wall_time(perf_time: float) -> float:
     return time.time() - (time.perf_counter() - perf_time)
 
 
-def measure_peak_gflops(device: Any, seconds: float = 0.3) -> float:
-    """Float32 matmul GFLOP/s on ``device``: big square products, timed for about ``seconds``.
+def measure_peak_gflops(device: Any, dtype: Any = None, seconds: float = 0.3) -> float:
+    """Matmul GFLOP/s on ``device`` in ``dtype`` (the run's; default float32): big square
+    products, timed for about ``seconds``. A bfloat16 run has its own ceiling (AMX on the
+    CPU, tensor cores on GPUs), so it is measured in bfloat16.
 
     A single square matmul is the best case a dense model can reach, so it
     stands in for the machine's peak; pass ``--peak-gflops`` for a datasheet number.
@@ -61,15 +63,15 @@ def measure_peak_gflops(device: Any, seconds: float = 0.3) -> float:
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # true float32: no TF32 on GPUs
     try:
-        return _time_matmuls(torch, device, size, seconds)
+        return _time_matmuls(torch, device, dtype or torch.float32, size, seconds)
     finally:
         torch.set_float32_matmul_precision(precision)
 
 
-def _time_matmuls(torch: Any, device: Any, size: int, seconds: float) -> float:
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    out = torch.empty(size, size, device=device)
+def _time_matmuls(torch: Any, device: Any, dtype: Any, size: int, seconds: float) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(2):  # warm up: thread pools, kernels, caches
         torch.mm(a, b, out=out)

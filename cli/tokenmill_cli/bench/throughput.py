@@ -80,7 +80,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
     # Measured after the run, not before: start-up work still running in the background
     # (the CPU platform's KV prefault) would share the cores and understate the peak.
     peak, peak_source = ((opts.peak_gflops, "--peak-gflops") if opts.peak_gflops
-                         else (measure_peak_gflops(backend.device), "measured"))
+                         else (measure_peak_gflops(backend.device, backend.dtype), "measured"))
 
     metrics = compute_metrics(records, duration, opts.percentiles)
     result: dict[str, Any] = {

@@ -32,6 +32,7 @@ class TokenmillBackend:
         self.max_model_len: int | None = core.max_model_len
         runner = getattr(core.executor, "runner", None)  # in-process executors only
         self.device = runner.device if runner is not None else core.platform.device()
+        self.dtype = core.dtype
         self.weights: WeightCounts | None = count_weights(runner.model) if runner is not None else None
 
     def run(self, requests: Sequence[BenchRequest], temperature: float,
