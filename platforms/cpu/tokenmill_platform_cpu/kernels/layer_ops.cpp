@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -102,15 +104,24 @@ at::Tensor silu_and_mul(at::Tensor x) {
     const T* in_ptr = in.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
     at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
+      std::vector<float> wide;  // bfloat16: the row widened, so that the exp loop vectorises
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = in_ptr + r * width;
-        const T* up = gate + half;
         T* o = out_ptr + r * half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float g = widen(gate[i]);
-          o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * widen(up[i]));
+        const float* g32;
+        if constexpr (std::is_same_v<T, float>) {
+          g32 = gate;
+        } else {
+          wide.resize(width);
+          for (int64_t i = 0; i < width; ++i) wide[i] = widen(gate[i]);
+          g32 = wide.data();
         }
+        const float* u32 = g32 + half;
+        float* o32 = std::is_same_v<T, float> ? reinterpret_cast<float*>(o) : wide.data();  // bfloat16: reuse the gate half
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) o32[i] = g32[i] / (1.f + std::exp(-g32[i])) * u32[i];
+        if constexpr (!std::is_same_v<T, float>)
+          for (int64_t i = 0; i < half; ++i) o[i] = static_cast<T>(o32[i]);
       }
     });
   });
