@@ -141,10 +141,23 @@ void attend(const Task<T>& t, const float* q, float* out, std::vector<float>& sc
   for_each_row(t, t.keys, [&](int64_t j, const T* row) {
     for (int64_t h = t.kv_begin; h < t.kv_end; ++h) {
       const T* k = row + h * d;
-      for (int64_t g = 0; g < t.group; ++g) {
-        const int64_t qh = (h - t.kv_begin) * t.group + g;
-        s[qh * n + j] = dot<D>(q + qh * d, k, d) * t.scale;
+      const int64_t first_head = (h - t.kv_begin) * t.group;
+#ifdef __AVX512F__
+      if constexpr (D != kDynamic && D % 16 == 0) {
+        // the key is loaded (and, for bfloat16, widened) once for the query heads that share it
+        __m512 key[D / 16];
+        for (int i = 0; i < D / 16; ++i) key[i] = load16(k + 16 * i);
+        for (int64_t g = 0; g < t.group; ++g) {
+          const float* qg = q + (first_head + g) * d;
+          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
+          for (int i = 1; i < D / 16; ++i) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), key[i], sum);
+          s[(first_head + g) * n + j] = _mm512_reduce_add_ps(sum) * t.scale;
+        }
+        continue;
       }
+#endif
+      for (int64_t g = 0; g < t.group; ++g)
+        s[(first_head + g) * n + j] = dot<D>(q + (first_head + g) * d, k, d) * t.scale;
     }
   });
   std::vector<float> inv(heads);
