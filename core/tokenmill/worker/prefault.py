@@ -2,9 +2,8 @@
 
 The CPU KV cache is mapped lazily (host_memory): pages nobody wrote take no
 memory, and the first write to each one is a page fault (5-15 µs on the VMs we
-run on). A
-background thread asks the kernel to populate the first part of the cache with
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which maps the pages without
+run on). A background thread asks the kernel to populate the first part of the
+cache with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which maps the pages without
 changing their contents, so it can run while the engine already writes K/V
 there. Where the call is unavailable nothing happens: the pages fault in on
 first use as before.

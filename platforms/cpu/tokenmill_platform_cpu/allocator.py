@@ -6,8 +6,9 @@ trims other freed memory at the top of the heap back to the OS: either way the
 next step gets fresh pages and pays a page fault for each 4 KiB of them (5-15 µs
 on the VMs we run on). A prefill step of 2,048 tokens through the 100M
 benchmark model made ~115,000 faults (its gate/up activations are 33.5 MiB);
-with mmap off and a high trim threshold, ~40, and the step ran ~9% faster (the
-whole throughput run 3-5%). Models wider than that one gain more.
+with mmap off and a high trim threshold, ~40, and the step ran ~9% faster (a
+whole second run in one process 3-5%, a cold benchmark run ~1%). Models wider
+than that one gain more.
 
 The memory kept is at most what the process already had at its peak, so peak
 RSS does not grow; ``TOKENMILL_MALLOC_RETAIN`` bounds how much free memory the
