@@ -26,9 +26,11 @@ _FAULTS_OF_A_REUSED_BLOCK = textwrap.dedent("""
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     tuned = sys.argv[1] == "tuned" and keep_freed_memory(1 << 30)
-    for _ in range(3):  # the heap settles (a small block may take the first freed one's place)
+    # The heap takes a few rounds to settle (small blocks allocated in between can take a
+    # freed block's place, so the next big one extends the heap once more); then it reuses.
+    for _ in range(10):
         fill_and_free(48 << 20)  # above glibc's largest mmap threshold (32 MiB)
-    faults = sum(fill_and_free(48 << 20) for _ in range(3))
+    faults = sum(fill_and_free(48 << 20) for _ in range(5))
     sums = []  # a thread's arena holds 64 MiB at most: bigger blocks must still come from somewhere
     worker = threading.Thread(target=lambda: sums.append(int(torch.ones(100 << 20, dtype=torch.uint8).sum())))
     worker.start()
@@ -47,10 +49,10 @@ def test_freed_large_blocks_are_reused_without_page_faults():
     tuned, faults, thread_ok = _run("tuned")
     if not tuned:
         pytest.skip("not glibc")
-    pages = 3 * (48 << 20) // 4096
-    assert faults < pages // 10 and thread_ok
+    round_pages = (48 << 20) // 4096
+    assert faults < round_pages // 2 and thread_ok  # five rounds, not even half a round of faults
     _, untuned_faults, _ = _run("default")
-    assert untuned_faults > pages // 2  # what the setting is for: a fault per 4 KiB page, every time
+    assert untuned_faults > 4 * round_pages  # what the setting is for: a fault per 4 KiB page, every round
 
 
 def test_retain_zero_leaves_malloc_alone(monkeypatch):
