@@ -1,6 +1,7 @@
-"""The CPU platform: threads from the usable cores, float32 by default, and a
-KV cache sized by ``--kv-cache-memory`` (default: a quarter of available RAM,
-at most 1 GiB)."""
+"""The CPU platform: threads from the usable cores, float32 by default, a KV
+cache sized by ``--kv-cache-memory`` (default: a quarter of available RAM, at
+most 1 GiB), its kernels registered as layer ops and sampling kernels, and
+malloc told to keep freed memory for the next step (see allocator)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class CpuPlatform:
         return min(DEFAULT_KV_CACHE_CAP, available_memory_bytes() // 4)
 
     def kv_cache_prefault_bytes(self, config: EngineConfig) -> int:
-        """The KV cache comes from calloc, so blocks never written cost no memory; but the
+        """The KV cache is mapped lazily, so blocks never written cost no memory; but the
         first write to each page is a page fault, 5-15 µs each on these VMs (~5% of a
         throughput run). The first ``TOKENMILL_KV_PREFAULT`` bytes (default 256 MiB) are
         faulted in on a background thread at start-up (tokenmill.worker.prefault), which
