@@ -4,9 +4,9 @@ faster ones.
 The torch implementations here (``NativeLayerOps``) are the reference: they
 compute exactly what transformers computes. A platform may register its own
 implementation for its device type (the CPU platform registers fused C++
-kernels, float32); layers ask :func:`layer_ops` for the one that matches the
-tensor in hand, so two engines on different devices in one process each get
-their own.
+kernels, float32 and bfloat16); layers ask :func:`layer_ops` for the one that
+matches the tensor in hand, so two engines on different devices in one process
+each get their own.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
                     at::Tensor slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over a block table (float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place (float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:] (float32)");
-  m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32)");
+  m.def("paged_attention", &paged_attention, "Paged attention over a block table (float32 or bfloat16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32 or bfloat16)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place (float32 or bfloat16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:] (float32 or bfloat16)");
+  m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32 or bfloat16)");
   m.def("small_linear_bf16", &small_linear_bf16, "x @ weight.T (+ bias) for 1-3 rows of bfloat16");
   m.def("small_linear_bf16_fast", &small_linear_bf16_fast, "Whether small_linear_bf16 has its AVX512-BF16 body");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");

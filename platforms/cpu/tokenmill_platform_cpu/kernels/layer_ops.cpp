@@ -4,8 +4,8 @@
 // out; the rotary tables stay float32). Each is one pass over its rows instead
 // of the five to eight torch ops (and temporaries) of the reference in
 // tokenmill.layers.ops, which at decode batch sizes cost more in dispatch than
-// in arithmetic. Rows are spread over threads only when there
-// are enough of them to pay for waking the threads.
+// in arithmetic. Rows are spread over threads only when there are enough of
+// them to pay for waking the threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -109,15 +109,17 @@ at::Tensor silu_and_mul(at::Tensor x) {
         const T* gate = in_ptr + r * width;
         T* o = out_ptr + r * half;
         const float* g32;
+        float* o32;
         if constexpr (std::is_same_v<T, float>) {
           g32 = gate;
+          o32 = o;
         } else {
           wide.resize(width);
           for (int64_t i = 0; i < width; ++i) wide[i] = widen(gate[i]);
           g32 = wide.data();
+          o32 = wide.data();  // written over the gate half as it is read, element by element
         }
         const float* u32 = g32 + half;
-        float* o32 = std::is_same_v<T, float> ? reinterpret_cast<float*>(o) : wide.data();  // bfloat16: reuse the gate half
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) o32[i] = g32[i] / (1.f + std::exp(-g32[i])) * u32[i];
         if constexpr (!std::is_same_v<T, float>)

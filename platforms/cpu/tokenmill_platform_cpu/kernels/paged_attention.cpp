@@ -80,16 +80,10 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 #endif
 
-// a: the query head (float32), b: a key row of the cache's type
-template <int D, typename T>
+// a: the query head (float32), b: a key row of the cache's type. The portable
+// loop: attend's AVX-512 body scores keys itself, sharing each key between heads.
+template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
-#ifdef __AVX512F__
-  if constexpr (D != kDynamic && D % 16 == 0) {
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), load16(b));
-    for (int i = 16; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), sum);
-    return _mm512_reduce_add_ps(sum);
-  }
-#endif
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < d; ++i) sum += a[i] * widen(b[i]);
@@ -157,7 +151,7 @@ void attend(const Task<T>& t, const float* q, float* out, std::vector<float>& sc
       }
 #endif
       for (int64_t g = 0; g < t.group; ++g)
-        s[(first_head + g) * n + j] = dot<D>(q + (first_head + g) * d, k, d) * t.scale;
+        s[(first_head + g) * n + j] = dot(q + (first_head + g) * d, k, d) * t.scale;
     }
   });
   std::vector<float> inv(heads);
