@@ -19,6 +19,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kMaxRows = 3;
+constexpr int64_t kPrefetchRows = 8;  // weight rows ahead of the one being read
 
 #ifdef __AVX512BF16__
 inline __m512bh load_pairs(const bf16* p) {
@@ -55,6 +56,11 @@ void run(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int64_t
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float sums[M];
     for (int64_t j = begin; j < end; ++j) {
+      // Prefetching a few rows ahead keeps more of the stream in flight than the
+      // hardware prefetcher does alone: a 100m model's weights (200 MB, from DRAM)
+      // went from ~22 to ~24 GB/s; weights that stay in L3 gain nothing measurable.
+      if (j + kPrefetchRows < end)
+        for (int64_t e = 0; e < k; e += 32) __builtin_prefetch(weight + (j + kPrefetchRows) * k + e, 0, 3);
       dot_rows<M>(weight + j * k, x, k, sums);
       const float b = bias != nullptr ? static_cast<float>(bias[j]) : 0.f;
       for (int m = 0; m < M; ++m) out[m * n + j] = static_cast<bf16>(sums[m] + b);
