@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,18 +129,39 @@ def test_packing_is_used_where_torch_has_mkl(ops):
     assert ops.prepare_linear_weight(torch.randn(16, 16)) is not None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past the kernel, torch's matmul
+# bfloat16 is compared after one rounding of the float32 result; float32 against float64
+_SMALL_LINEAR_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-5}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past the kernel (packed MKL or torch's matmul)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("in_features", [512, 77])  # 77: not a multiple of the kernel's 32-wide steps
-def test_small_bfloat16_linear_matches_float32_rounded_once(ops, rows, bias, in_features):
+@pytest.mark.parametrize("in_features", [512, 77])  # 77: not a multiple of the kernel's vector steps
+def test_small_linear_matches_a_wider_reference(ops, dtype, rows, bias, in_features):
     torch.manual_seed(5)
-    weight = torch.randn(300, in_features).bfloat16()
-    b = torch.randn(300).bfloat16() if bias else None
-    x = torch.randn(1, rows, in_features).bfloat16()  # [batch, tokens, features]: leading dims kept
-    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    # 300 outputs: not a multiple of the rows the float32 kernel reads side by side
+    weight = torch.randn(300, in_features).to(dtype)
+    b = torch.randn(300).to(dtype) if bias else None
+    x = torch.randn(1, rows, in_features).to(dtype)  # [batch, tokens, features]: leading dims kept
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double()).float()
     got = ops.linear(x, weight, b, None)
-    assert got.shape == (1, rows, 300) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
-    if rows <= 3:  # the kernel itself, whichever body this machine built (ops may prefer torch without AVX512-BF16)
-        direct = load_kernels().small_linear_bf16(x[0], weight, b)
-        torch.testing.assert_close(direct.float(), expected[0], atol=2e-2, rtol=1e-2)
+    assert got.shape == (1, rows, 300) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, **_SMALL_LINEAR_TOLERANCE[dtype])
+    if rows <= 3:  # the kernel itself, whichever body this machine built (ops may prefer torch without it)
+        direct = load_kernels().small_linear(x[0], weight, b)
+        torch.testing.assert_close(direct.float(), expected[0], **_SMALL_LINEAR_TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_small_linear_has_the_vector_bodies_this_cpu_supports():
+    """Guards the fallback above: a build that lost its vector body would still pass the
+    accuracy test, only slowly."""
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    dtypes = set(load_kernels().small_linear_dtypes())
+    assert ("float32" in dtypes) == ("avx512f" in flags)
+    assert ("bfloat16" in dtypes) == ("avx512_bf16" in flags)

@@ -1,8 +1,8 @@
 """The CPU platform's layer ops: fused C++ kernels for the elementwise ops
-(float32 and bfloat16), MKL's packed GEMM for float32 linear layers, and a
-C++ kernel for bfloat16 linear layers of one to three rows (larger bfloat16
-matmuls go to torch, which runs them on oneDNN, with AMX where the CPU has it);
-anything else goes to the torch reference they are tested against.
+(float32 and bfloat16), a C++ kernel for linear layers of one to three rows
+(float32 and bfloat16), MKL's packed GEMM for larger float32 ones (larger
+bfloat16 matmuls go to torch, which runs them on oneDNN, with AMX where the CPU
+has it); anything else goes to the torch reference they are tested against.
 
 Packed GEMM: MKL's ``sgemm`` repacks the weight matrix into its internal
 layout on every call, which at decode batch sizes costs as much as the
@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_MIN_ROWS = 4
 PACKED_MAX_ROWS = 512
-# bfloat16 matmuls of at most this many rows go to the C++ kernel, which reads the
-# weights 1.5-1.9x faster than torch's (one row) and 1.2-1.4x (two or three).
-SMALL_BF16_MAX_ROWS = 3
+# Matmuls of at most this many rows go to the C++ small-matmul kernel, which reads
+# the weights faster than torch does: bfloat16 1.5-1.9x (one row) and 1.2-1.4x (two
+# or three), float32 ~1.1x (one row; MKL's sgemv) and as fast (two or three).
+SMALL_MAX_ROWS = 3
 # The layout is packed for this many rows; MKL computes any row count from it
 # (checked once per process by _packing_works).
 _PACK_ROWS_HINT = 64
@@ -48,7 +49,8 @@ class CpuLayerOps(NativeLayerOps):
 
     def __init__(self, kernels: ModuleType, packed_budget: int) -> None:
         self._kernels = kernels
-        self._small_bf16 = bool(kernels.small_linear_bf16_fast())
+        # the dtypes the small-matmul kernel has a vector body for in this build
+        self._small_dtypes = {getattr(torch, name) for name in kernels.small_linear_dtypes()}
         self._packing: bool | None = None  # None: not checked yet
         self._packed_budget = packed_budget
 
@@ -64,8 +66,8 @@ class CpuLayerOps(NativeLayerOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                prepared: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if x.dtype == weight.dtype == torch.bfloat16 and 1 <= rows <= SMALL_BF16_MAX_ROWS and self._small_bf16:
-            out = self._kernels.small_linear_bf16(x.reshape(rows, x.shape[-1]), weight, bias)
+        if 1 <= rows <= SMALL_MAX_ROWS and x.dtype == weight.dtype and x.dtype in self._small_dtypes:
+            out = self._kernels.small_linear(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         if prepared is None or x.dtype != torch.float32 or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
             return F.linear(x, weight, bias)

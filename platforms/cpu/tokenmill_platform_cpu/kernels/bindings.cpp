@@ -10,8 +10,8 @@ at::Tensor silu_and_mul(at::Tensor x);
 void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                        at::Tensor sin_cache);
 at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Tensor uniform);
-at::Tensor small_linear_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
-bool small_linear_bf16_fast();
+at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+std::vector<std::string> small_linear_dtypes();
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping);
 
@@ -21,8 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place (float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:] (float32 or bfloat16)");
   m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32 or bfloat16)");
-  m.def("small_linear_bf16", &small_linear_bf16, "x @ weight.T (+ bias) for 1-3 rows of bfloat16");
-  m.def("small_linear_bf16_fast", &small_linear_bf16_fast, "Whether small_linear_bf16 has its AVX512-BF16 body");
+  m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-3 rows (float32 or bfloat16)");
+  m.def("small_linear_dtypes", &small_linear_dtypes, "The dtypes small_linear has a vector body for");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");
   m.def("temperature_sample", &temperature_sample, "Inverse-CDF draw from softmax(logits / t) per row (float32)");
 }
