@@ -1,4 +1,4 @@
-"""The CPU platform's fused layer ops and packed linear against the torch reference."""
+"""The CPU platform's fused layer ops and matmul kernels against the torch reference."""
 
 from __future__ import annotations
 
@@ -70,18 +70,40 @@ def test_rotary_in_place_on_qkv_views(ops, head_size):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)  # v untouched
 
 
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 7, 64, 100, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 7, 9, 64, 100, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_at_every_row_count(ops, rows, bias):
+@pytest.mark.parametrize("shape", [(384, 256), (1000, 77)])  # (1000, 77): a short last panel, odd K
+def test_packed_linear_matches_a_float64_reference_at_every_row_count(ops, rows, bias, shape):
+    """Rows 4-512 run on the packed panels (whole 8-row tiles and every tail), the rest elsewhere."""
     torch.manual_seed(3)
-    weight = torch.randn(384, 256)
-    b = torch.randn(384) if bias else None
+    weight = torch.randn(*shape)
+    b = torch.randn(shape[0]) if bias else None
     prepared = ops.prepare_linear_weight(weight)
     if prepared is None:
-        pytest.skip("no MKL packed GEMM in this torch build")  # the x86 CPU wheels have it
-    x = torch.randn(rows, 256)
-    torch.testing.assert_close(ops.linear(x, weight, b, prepared), torch.nn.functional.linear(x, weight, b),
-                               rtol=1e-4, atol=1e-4)
+        pytest.skip("no AVX-512 body for the packed kernel on this CPU")
+    x = torch.randn(rows, shape[1])
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(ops.linear(x, weight, b, prepared), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_keeps_leading_dimensions_and_reads_strided_rows(ops):
+    weight = torch.randn(96, 64)
+    prepared = ops.prepare_linear_weight(weight)
+    if prepared is None:
+        pytest.skip("no AVX-512 body for the packed kernel on this CPU")
+    x = torch.randn(2, 10, 128)[..., ::2]  # [batch, tokens, features], every other feature
+    got = ops.linear(x, weight, None, prepared)
+    assert got.shape == (2, 10, 96)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_rejects_panels_of_another_shape():
+    kernels = load_kernels()
+    panels = kernels.pack_linear_weight(torch.randn(64, 32))  # two panels: 33 to 64 outputs
+    with pytest.raises(RuntimeError, match="n does not match"):
+        kernels.packed_linear(torch.randn(4, 32), panels, 100, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        kernels.packed_linear(torch.randn(4, 16), panels, 64, None)
 
 
 def test_other_dtypes_fall_back_to_the_reference(ops):
@@ -123,12 +145,6 @@ def test_packing_stops_at_its_memory_budget():
     assert ops.prepare_linear_weight(torch.randn(8, 8)) is None  # the budget is spent
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
-def test_packing_is_used_where_torch_has_mkl(ops):
-    """Guards the skip above: with MKL, the packed path must pass its start-up check."""
-    assert ops.prepare_linear_weight(torch.randn(16, 16)) is not None
-
-
 # bfloat16 is compared after one rounding of the float32 result; float32 against float64
 _SMALL_LINEAR_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-5}}
 
@@ -153,9 +169,9 @@ def test_small_linear_matches_a_wider_reference(ops, dtype, rows, bias, in_featu
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from /proc/cpuinfo")
-def test_small_linear_has_the_vector_bodies_this_cpu_supports():
-    """Guards the fallback above: a build that lost its vector body would still pass the
-    accuracy test, only slowly."""
+def test_matmul_kernels_have_the_vector_bodies_this_cpu_supports():
+    """Guards the fallbacks: a build that lost a vector body would still pass the accuracy
+    tests, only slowly (or, for the packed kernel, skip them)."""
     flags = set()
     with open("/proc/cpuinfo") as cpuinfo:
         for line in cpuinfo:
@@ -165,3 +181,4 @@ def test_small_linear_has_the_vector_bodies_this_cpu_supports():
     dtypes = set(load_kernels().small_linear_dtypes())
     assert ("float32" in dtypes) == ("avx512f" in flags)
     assert ("bfloat16" in dtypes) == ("avx512_bf16" in flags)
+    assert load_kernels().packed_linear_available() == ("avx512f" in flags)

@@ -12,6 +12,9 @@ void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Ten
 at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Tensor uniform);
 at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
 std::vector<std::string> small_linear_dtypes();
+bool packed_linear_available();
+at::Tensor pack_linear_weight(at::Tensor weight);
+at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping);
 
@@ -23,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32 or bfloat16)");
   m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-3 rows (float32 or bfloat16)");
   m.def("small_linear_dtypes", &small_linear_dtypes, "The dtypes small_linear has a vector body for");
+  m.def("packed_linear_available", &packed_linear_available, "Whether packed_linear has its AVX-512 body");
+  m.def("pack_linear_weight", &pack_linear_weight, "float32 weight [N, K] -> column panels for packed_linear");
+  m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32, decode batch sizes)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");
   m.def("temperature_sample", &temperature_sample, "Inverse-CDF draw from softmax(logits / t) per row (float32)");
 }

@@ -1,0 +1,155 @@
+// float32 linear layers at decode batch sizes (4 to 512 rows), on weights packed
+// once into column panels: y = x @ W.T (+ bias).
+//
+// Why not MKL: its packed GEMM (cblas_sgemm_compute) reaches the machine's peak
+// while the weights sit in cache, but a decode step streams every weight from
+// DRAM, and there it lost 20-30%: the hardware prefetcher cannot see past the
+// panel it is in. This kernel prefetches the next panel while it computes the
+// current one. Measured on a 100m model's weights (400 MB, DRAM), two threads:
+// 8 rows 60 -> 81 GFLOP/s, 32 rows 164 -> 217, 64 rows 252 -> 284, 256 rows
+// 273 -> 284; 512 rows 268 -> 258 (the range's end); in cache both are at ~350.
+//
+// Layout: W [N, K] becomes panels [ceil(N / 32), K, 32] (zero padded past N): for
+// each k, the 32 outputs' weights are adjacent, two AVX-512 vectors. A micro-tile
+// keeps 8 rows x 32 outputs of sums in 16 registers; each k step loads the panel's
+// two vectors once and broadcasts one x value per row. A panel (K x 128 bytes)
+// stays in L2 while every tile of x passes over it, and each tile prefetches its
+// share of the next panel's rows, spread over its k steps, so that the panel is
+// in L2 when its turn comes. Threads take contiguous ranges of panels.
+// Without AVX-512 (packed_linear_available() false) the platform keeps torch's
+// matmul; the scalar loop here only keeps the kernel correct.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // outputs per panel
+constexpr int kTileRows = 8;    // rows of x per micro-tile
+
+struct Panel {
+  const float* weights;  // [K, kPanel]
+  const float* next;     // the next panel of this thread, or nullptr
+  int64_t k;
+  int64_t columns;      // real outputs in this panel (the last one may be short)
+  const float* bias;    // this panel's first bias, or nullptr
+};
+
+#ifdef __AVX512F__
+// out[r, 0:columns] = x[r, :] . panel + bias for R rows of x (row stride k),
+// prefetching the next panel's rows [prefetch, prefetch_end), one every `every` k steps.
+template <int R>
+void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const float* prefetch,
+          const float* prefetch_end, int64_t every) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  int64_t countdown = 0;
+  for (int64_t i = 0; i < p.k; ++i) {
+    if (prefetch < prefetch_end && --countdown <= 0) {
+      countdown = every;
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + 16), _MM_HINT_T1);
+      prefetch += kPanel;
+    }
+    const __m512 w_lo = _mm512_loadu_ps(p.weights + i * kPanel);
+    const __m512 w_hi = _mm512_loadu_ps(p.weights + i * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * p.k + i]);
+      lo[r] = _mm512_fmadd_ps(xv, w_lo, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
+    }
+  }
+  alignas(64) float row[kPanel];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(row, lo[r]);
+    _mm512_store_ps(row + 16, hi[r]);
+    for (int64_t j = 0; j < p.columns; ++j) out[r * out_stride + j] = row[j] + (p.bias != nullptr ? p.bias[j] : 0.f);
+  }
+}
+
+using TileFn = void (*)(const float*, const Panel&, float*, int64_t, const float*, const float*, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                          tile<5>, tile<6>, tile<7>, tile<8>};
+
+void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t share = (p.k + tiles - 1) / tiles;  // next-panel rows each tile prefetches
+  const int64_t every = std::max<int64_t>(1, p.k / std::max<int64_t>(1, share));
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r = t * kTileRows, rows = std::min<int64_t>(kTileRows, m - r);
+    const float* prefetch = p.next != nullptr ? p.next + std::min(p.k, t * share) * kPanel : nullptr;
+    const float* prefetch_end = p.next != nullptr ? p.next + std::min(p.k, (t + 1) * share) * kPanel : nullptr;
+    kTiles[rows](x + r * p.k, p, out + r * n, n, prefetch, prefetch_end, every);
+  }
+}
+#else
+void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < p.columns; ++j) {
+      float sum = p.bias != nullptr ? p.bias[j] : 0.f;
+      for (int64_t i = 0; i < p.k; ++i) sum += x[r * p.k + i] * p.weights[i * kPanel + j];
+      out[r * n + j] = sum;
+    }
+}
+#endif
+
+}  // namespace
+
+bool packed_linear_available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] float32 -> panels [ceil(N / 32), K, 32]
+at::Tensor pack_linear_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_linear_weight: float32 [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  auto w = weight.contiguous();
+  // padded with zeros
+  auto out = at::zeros({panels, k, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
+        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + j] = src[(p * kPanel + j) * k + i];
+  });
+  return out;
+}
+
+// x [M, K] float32, panels from pack_linear_weight of an [N, K] weight, bias [N] -> [M, N]
+at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
+              "packed_linear: x [M, K] and panels [P, K, 32]");
+  TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
+              "packed_linear: n does not match the panels");
+  auto xs = x.contiguous();
+  auto ps = panels.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == n, "packed_linear: one bias per output");
+  }
+  const int64_t m = xs.size(0), k = xs.size(1), count = ps.size(0);
+  auto out = at::empty({m, n}, xs.options());
+  if (m == 0) return out;
+  const float* x_ptr = xs.data_ptr<float>();
+  const float* p_ptr = ps.data_ptr<float>();
+  const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const Panel panel{p_ptr + p * k * kPanel, p + 1 < end ? p_ptr + (p + 1) * k * kPanel : nullptr, k,
+                        std::min(kPanel, n - p * kPanel), b_ptr != nullptr ? b_ptr + p * kPanel : nullptr};
+      panel_rows(x_ptr, m, panel, out_ptr + p * kPanel, n);
+    }
+  });
+  return out;
+}
