@@ -3,8 +3,14 @@
 // inverse-CDF walk (over the chunk sums, then inside the one chunk it lands in).
 // Two reads of each row and no [B, V] writes, where the torch version makes
 // five passes over the whole batch and writes three.
+// With AVX-512 the exponential is our own (a Cody-Waite reduction and a
+// degree-6 polynomial, ~2 ulp): glibc's vector expf, which the portable loop
+// compiles to, made the kernel 5x slower per element than torch's exp (a
+// 64 x 32,000 draw: 1.64 ms, against 0.31 ms for torch.exp over the same logits).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,21 +21,80 @@ namespace {
 
 constexpr int64_t kChunk = 64;
 
-int64_t sample_row(const float* x, int64_t v, float temperature, float uniform, std::vector<float>& chunk_sums) {
+#ifdef __AVX512F__
+// e^x, elementwise; exactly 0 below -87 (so -inf, a masked token, has no mass)
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);  // e^r on [-ln2/2, ln2/2]
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
+}
+
+// e^((x[i] - m) * inv_t) for i in [begin, end), end - begin <= 16, lanes past end 0
+inline __m512 scaled_exp16(const float* x, int64_t begin, int64_t end, __m512 m, __m512 inv_t) {
+  const __mmask16 lanes = end - begin >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (end - begin)) - 1);
+  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, x + begin);
+  return _mm512_mul_ps(_mm512_sub_ps(v, m), inv_t);
+}
+
+inline float row_max(const float* x, int64_t v) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= v; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  float out = _mm512_reduce_max_ps(m);
+  for (; i < v; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// probs[0:end-begin] = e^((x - m) * inv_t) over [begin, end), end - begin <= kChunk; returns their sum
+inline float chunk_probs(const float* x, int64_t begin, int64_t end, float m, float inv_t, float* probs) {
+  const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(inv_t);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = begin; i < end; i += 16) {
+    const __m512 e = exp16(scaled_exp16(x, i, std::min(end, i + 16), mv, tv));
+    if (probs != nullptr) _mm512_storeu_ps(probs + (i - begin), e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+inline float row_max(const float* x, int64_t v) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < v; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+inline float chunk_probs(const float* x, int64_t begin, int64_t end, float m, float inv_t, float* probs) {
+  float sum = 0.f;
+  for (int64_t i = begin; i < end; ++i) {
+    const float e = std::exp((x[i] - m) * inv_t);
+    if (probs != nullptr) probs[i - begin] = e;
+    sum += e;
+  }
+  return sum;
+}
+#endif
+
+int64_t sample_row(const float* x, int64_t v, float temperature, float uniform, std::vector<float>& chunk_sums) {
+  const float m = row_max(x, v);
   const float inv_t = 1.f / temperature;
   const int64_t chunks = (v + kChunk - 1) / kChunk;
   chunk_sums.resize(chunks);
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t end = std::min(v, (c + 1) * kChunk);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = c * kChunk; i < end; ++i) sum += std::exp((x[i] - m) * inv_t);
-    chunk_sums[c] = sum;
-    total += sum;
+    chunk_sums[c] = chunk_probs(x, c * kChunk, std::min(v, (c + 1) * kChunk), m, inv_t, nullptr);
+    total += chunk_sums[c];
   }
   const float threshold = uniform * total;
   float before = 0.f;
@@ -39,9 +104,8 @@ int64_t sample_row(const float* x, int64_t v, float temperature, float uniform, 
   // whose cumulative mass exceeds the threshold. A zero-mass token never raises the
   // running sum, so it is never the one chosen.
   const int64_t begin = c * kChunk, end = std::min(v, begin + kChunk);
-  float probs[kChunk];
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) probs[i - begin] = std::exp((x[i] - m) * inv_t);
+  float probs[kChunk + 16];  // the vector body writes whole vectors
+  chunk_probs(x, begin, end, m, inv_t, probs);
   float running = before;
   for (int64_t i = begin; i < end; ++i) {
     running += probs[i - begin];
