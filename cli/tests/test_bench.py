@@ -244,6 +244,8 @@ def test_latency_reports_iterations_and_bandwidth(model_dir: Path, tmp_path: Pat
     assert len(r["latencies"]) == 3 and r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
     assert list(r["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
     assert r["achieved_gbps"] > 0 and r["weight_bytes_per_step"] > 0 and r["output_throughput"] > 0
+    assert r["read_ceiling_gbps"] > 0
+    assert r["bandwidth_fraction"] == pytest.approx(r["achieved_gbps"] / r["read_ceiling_gbps"])
     for metric in ("latency", "ttft", "tpot"):
         assert_ordered(r, metric)
 

@@ -6,7 +6,8 @@ new every iteration so the prefix cache cannot turn later iterations'
 prefills into lookups. Per iteration: its latency (first request added to
 last token), TTFT (the batch's prefill) and TPOT (one decode step of the
 whole batch). From TPOT: the per-token latency and the weight bandwidth
-achieved, since each decode step reads every weight once.
+achieved, since each decode step reads every weight once; against it, how fast
+this machine reads that many bytes at all (the batch-1 roofline).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tokenmill_cli.bench.datasets import BenchRequest, Vocabulary
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import achieved_gbps
-from tokenmill_cli.bench.system import memory_json, process_start_time, startup_seconds
+from tokenmill_cli.bench.system import measure_read_gbps, memory_json, process_start_time, startup_seconds
 
 VLLM_PERCENTILES = (10, 25, 50, 75, 90, 99)  # the `percentiles` object `vllm bench latency` writes
 
@@ -116,8 +117,11 @@ def _result(backend: Backend, backend_name: str, model: str | None, opts: Latenc
                          ("tpot", [it.tpot_s for it in iterations])):
         result.update({f"{stat}_{name}_ms": v for stat, v in summarize(values, opts.percentiles, 1000.0).items()})
     if backend.weights is not None:
-        result.update({"weight_bytes_per_step": backend.weights.step_bytes,
-                       "achieved_gbps": achieved_gbps(backend.weights, tpot)})
+        achieved = achieved_gbps(backend.weights, tpot)
+        # measured after the run, as the throughput roofline's peak, with nothing else on the cores
+        ceiling = measure_read_gbps(backend.device, backend.weights.step_bytes)
+        result.update({"weight_bytes_per_step": backend.weights.step_bytes, "achieved_gbps": achieved,
+                       "read_ceiling_gbps": ceiling, "bandwidth_fraction": achieved / ceiling if ceiling > 0 else 0.0})
     result.update({**memory_json(), "startup_s": startup_s, "engine_args": engine_kwargs})
     return result
 
@@ -138,6 +142,8 @@ LATENCY_ROWS: list[Row] = [
     ("Output token throughput (tok/s)", "output_throughput", ".1f"),
     ("Weight bytes read per step (MiB)", "weight_mib_per_step", ".1f"),
     ("Achieved bandwidth (GB/s)", "achieved_gbps", ".2f"),
+    ("Read ceiling, same bytes (GB/s)", "read_ceiling_gbps", ".2f"),
+    ("Bandwidth fraction", "bandwidth_fraction", ".2%"),
     ("Peak RSS (MiB)", "peak_rss_mib", ".0f"),
     ("Peak device memory (MiB)", "peak_device_memory_mib", ".0f"),
     ("Start-up to first token (s)", "startup_s", ".2f"),

@@ -1,5 +1,6 @@
-"""What the machine did: peak memory, process start time, and a quick
-measure of its float32 matmul peak (the roofline's ceiling)."""
+"""What the machine did: peak memory, process start time, and quick measures
+of its matmul peak (the throughput roofline's ceiling) and of how fast it reads
+a working set the size of a decode step's weights (the latency one's)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,31 @@ def _time_matmuls(torch: Any, device: Any, dtype: Any, size: int, seconds: float
     sync()
     elapsed = time.perf_counter() - start
     return 2 * size**3 * count / elapsed / 1e9
+
+
+# A bigger working set reads at DRAM speed like this one, and the buffer is real memory.
+_READ_BUFFER_CAP = 1 << 30
+
+
+def measure_read_gbps(device: Any, num_bytes: int, seconds: float = 0.3) -> float:
+    """GB/s of whole reads (a sum) of a ``num_bytes`` buffer (at most 1 GiB) on ``device``,
+    repeated for about ``seconds``: what this machine's memory gives a working set the
+    size of one decode step's weights, from cache where it fits, from DRAM where not.
+    A decode step reads each weight once, so this bounds batch-1 decode from above."""
+    import torch
+
+    elements = max(1, min(num_bytes, _READ_BUFFER_CAP) // 4)
+    buffer = torch.ones(elements, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm up: fault the pages in, wake the threads
+        buffer.sum()
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        buffer.sum()
+        count += 1
+    sync()
+    return elements * 4 * count / (time.perf_counter() - start) / 1e9
 
 
 def mib(num_bytes: int | None) -> float | None:
