@@ -150,7 +150,7 @@ _SMALL_LINEAR_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.f
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past the kernel (packed MKL or torch's matmul)
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7])  # 7: past the kernel (packed panels or torch's matmul)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [512, 77])  # 77: not a multiple of the kernel's vector steps
 def test_small_linear_matches_a_wider_reference(ops, dtype, rows, bias, in_features):
@@ -163,7 +163,7 @@ def test_small_linear_matches_a_wider_reference(ops, dtype, rows, bias, in_featu
     got = ops.linear(x, weight, b, None)
     assert got.shape == (1, rows, 300) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, **_SMALL_LINEAR_TOLERANCE[dtype])
-    if rows <= 3:  # the kernel itself, whichever body this machine built (ops may prefer torch without it)
+    if rows <= 6:  # the kernel itself, whichever body this machine built (ops may send these rows elsewhere)
         direct = load_kernels().small_linear(x[0], weight, b)
         torch.testing.assert_close(direct.float(), expected[0], **_SMALL_LINEAR_TOLERANCE[dtype])
 

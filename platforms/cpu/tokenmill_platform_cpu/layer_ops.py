@@ -1,6 +1,6 @@
 """The CPU platform's layer ops: fused C++ kernels for the elementwise ops
-(float32 and bfloat16), a C++ kernel for linear layers of one to three rows
-(float32 and bfloat16), a kernel on packed weights for float32 decode batches
+(float32 and bfloat16), a C++ kernel for linear layers of a few rows (float32
+and bfloat16), a kernel on packed weights for float32 decode batches
 (larger bfloat16 matmuls go to torch, which runs them on oneDNN, with AMX where
 the CPU has it); anything else goes to the torch reference they are tested against.
 
@@ -27,12 +27,13 @@ from tokenmill.layers import NativeLayerOps
 
 # The fused kernels' dtypes (bfloat16 is computed in float32 and rounded once).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-PACKED_MIN_ROWS = 4
+PACKED_MIN_ROWS = 3
 PACKED_MAX_ROWS = 512
-# Matmuls of at most this many rows go to the C++ small-matmul kernel, which reads
-# the weights faster than torch does: bfloat16 1.5-1.9x (one row) and 1.2-1.4x (two
-# or three), float32 ~1.1x (one row; MKL's sgemv) and as fast (two or three).
-SMALL_MAX_ROWS = 3
+# Matmuls of at most this many rows (by dtype) go to the C++ small-matmul kernel,
+# which reads the weights faster than torch does: bfloat16 ~2x (one to four rows),
+# 1.3x (six; as fast at eight), float32 ~1.1x at one row (MKL's sgemv) and as fast
+# at two; from three rows float32 goes to the packed panels.
+SMALL_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 6}
 
 
 class CpuLayerOps(NativeLayerOps):
@@ -60,7 +61,7 @@ class CpuLayerOps(NativeLayerOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                prepared: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if 1 <= rows <= SMALL_MAX_ROWS and x.dtype == weight.dtype and x.dtype in self._small_dtypes:
+        if 1 <= rows <= SMALL_MAX_ROWS.get(x.dtype, 0) and x.dtype == weight.dtype and x.dtype in self._small_dtypes:
             out = self._kernels.small_linear(x.reshape(rows, x.shape[-1]), weight, bias)
         elif prepared is not None and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
             out = self._kernels.packed_linear(x.reshape(rows, x.shape[-1]), prepared, weight.shape[0], bias)

@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place (float32 or bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:] (float32 or bfloat16)");
   m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32 or bfloat16)");
-  m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-3 rows (float32 or bfloat16)");
+  m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-6 rows (float32 or bfloat16)");
   m.def("small_linear_dtypes", &small_linear_dtypes, "The dtypes small_linear has a vector body for");
   m.def("packed_linear_available", &packed_linear_available, "Whether packed_linear has its AVX-512 body");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 weight [N, K] -> column panels for packed_linear");

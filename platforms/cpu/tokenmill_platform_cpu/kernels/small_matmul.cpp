@@ -1,4 +1,4 @@
-// Linear layers at one to three rows (batch-1 and small-batch decode), float32
+// Linear layers of one to six rows (batch-1 and small-batch decode), float32
 // and bfloat16: y[m, n] = x[m, :] . W[n, :] (+ bias[n]), accumulated in float32,
 // rounded once to the output's dtype.
 // At these sizes a matmul only streams the weights, so what counts is how many
@@ -16,7 +16,10 @@
 // (vdpbf16ps: 32 products per instruction, exact in float32). Without them a
 // scalar loop stands in (correct, slow): small_linear_dtypes() says which dtypes
 // have a vector body, and the platform keeps torch's matmul for the others.
-// Shapes: x [M, K] (1 <= M <= 3), weight [N, K], bias [N].
+// The platform sends float32 here up to two rows (from three on, the packed-panel
+// kernel is faster: this one's eight weight rows times three rows of x run out of
+// registers) and bfloat16 up to six (at eight, oneDNN's matmul catches up).
+// Shapes: x [M, K] (1 <= M <= 6), weight [N, K], bias [N].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -31,7 +34,7 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-constexpr int64_t kMaxRows = 3;
+constexpr int64_t kMaxRows = 6;
 template <typename T>
 constexpr int kRowsPerPass = std::is_same_v<T, float> ? 8 : 1;  // weight rows read side by side
 template <typename T>
@@ -131,7 +134,10 @@ void dispatch_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   switch (x.size(0)) {
     case 1: return run<T, 1>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
     case 2: return run<T, 2>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
-    default: return run<T, 3>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
+    case 3: return run<T, 3>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
+    case 4: return run<T, 4>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
+    case 5: return run<T, 5>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
+    default: return run<T, 6>(x.data_ptr<T>(), w.data_ptr<T>(), b_ptr, out.data_ptr<T>(), n, k);
   }
 }
 
