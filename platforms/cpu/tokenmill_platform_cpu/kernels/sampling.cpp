@@ -39,8 +39,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 
-// e^((x[i] - m) * inv_t) for i in [begin, end), end - begin <= 16, lanes past end 0
-inline __m512 scaled_exp16(const float* x, int64_t begin, int64_t end, __m512 m, __m512 inv_t) {
+// (x[i] - m) * inv_t for i in [begin, end), end - begin <= 16; lanes past end -inf (e^ of them: 0)
+inline __m512 scaled_logits16(const float* x, int64_t begin, int64_t end, __m512 m, __m512 inv_t) {
   const __mmask16 lanes = end - begin >= 16 ? static_cast<__mmask16>(0xFFFF)
                                             : static_cast<__mmask16>((1u << (end - begin)) - 1);
   const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, x + begin);
@@ -61,7 +61,7 @@ inline float chunk_probs(const float* x, int64_t begin, int64_t end, float m, fl
   const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(inv_t);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = begin; i < end; i += 16) {
-    const __m512 e = exp16(scaled_exp16(x, i, std::min(end, i + 16), mv, tv));
+    const __m512 e = exp16(scaled_logits16(x, i, std::min(end, i + 16), mv, tv));
     if (probs != nullptr) _mm512_storeu_ps(probs + (i - begin), e);
     sum = _mm512_add_ps(sum, e);
   }
