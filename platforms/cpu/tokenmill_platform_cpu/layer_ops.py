@@ -28,7 +28,10 @@ from tokenmill.layers import NativeLayerOps
 # The fused kernels' dtypes (bfloat16 is computed in float32 and rounded once).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_MIN_ROWS = 3
-PACKED_MAX_ROWS = 512
+# Past this, torch's matmul (MKL sgemm on the plain weight) is as fast or faster: at 256
+# rows both ran at ~257 GFLOP/s on a 100m model's weights, at 384-512 rows sgemm was
+# 7-13% ahead on tiny's.
+PACKED_MAX_ROWS = 256
 # Matmuls of at most this many rows (by dtype) go to the C++ small-matmul kernel,
 # which reads the weights faster than torch does: bfloat16 ~2x (one to four rows),
 # 1.3x (six; as fast at eight), float32 ~1.1x at one row (MKL's sgemv) and as fast

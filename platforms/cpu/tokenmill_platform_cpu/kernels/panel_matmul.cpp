@@ -1,12 +1,13 @@
-// float32 linear layers at decode batch sizes (the platform sends 3 to 512 rows),
+// float32 linear layers at decode batch sizes (the platform sends 3 to 256 rows),
 // on weights packed once into column panels: y = x @ W.T (+ bias).
 //
 // Why not MKL: its packed GEMM (cblas_sgemm_compute) reaches the machine's peak
 // while the weights sit in cache, but a decode step streams every weight from
 // DRAM, and there it ran 20-30% slower, waiting on memory. This kernel prefetches
-// the next panel into L2 while it computes the current one. Measured on a 100m model's weights (400 MB, DRAM), two threads:
-// 8 rows 60 -> 81 GFLOP/s, 32 rows 164 -> 217, 64 rows 252 -> 284, 256 rows
-// 273 -> 284; 512 rows 268 -> 258 (the range's end); in cache both are at ~350.
+// the next panel into L2 while it computes the current one. Measured on a 100m
+// model's weights (400 MB, DRAM), two threads: 8 rows 60 -> 81 GFLOP/s, 32 rows
+// 164 -> 217, 64 rows 252 -> 284, 256 rows 273 -> 284 (512 rows: 268 -> 258, and
+// MKL's plain sgemm is ahead of both from ~256 rows on); in cache both run at ~350.
 //
 // Layout: W [N, K] becomes panels [ceil(N / 32), K, 32] (zero padded past N): for
 // each k, the 32 outputs' weights are adjacent, two AVX-512 vectors. A micro-tile
