@@ -111,14 +111,20 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_linear_weight: float32 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   auto w = weight.contiguous();
-  // padded with zeros
-  auto out = at::zeros({panels, k, kPanel}, w.options());
+  auto out = at::empty({panels, k, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
-        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + j] = src[(p * kPanel + j) * k + i];
+    for (int64_t p = begin; p < end; ++p) {
+      // written in order, read from the panel's 32 rows side by side (their lines stay in L1)
+      const int64_t columns = std::min(kPanel, n - p * kPanel);
+      float* out_row = dst + p * k * kPanel;
+      const float* rows = src + p * kPanel * k;
+      for (int64_t i = 0; i < k; ++i, out_row += kPanel) {
+        for (int64_t j = 0; j < columns; ++j) out_row[j] = rows[j * k + i];
+        for (int64_t j = columns; j < kPanel; ++j) out_row[j] = 0.f;  // the last panel's padding
+      }
+    }
   });
   return out;
 }
