@@ -116,13 +116,14 @@ def _result(backend: Backend, backend_name: str, model: str | None, opts: Latenc
     for name, values in (("latency", latencies), ("ttft", [it.ttft_s for it in iterations]),
                          ("tpot", [it.tpot_s for it in iterations])):
         result.update({f"{stat}_{name}_ms": v for stat, v in summarize(values, opts.percentiles, 1000.0).items()})
+    memory = memory_json()  # before the ceiling's buffer (up to 1 GiB) can raise the peaks
     if backend.weights is not None:
         achieved = achieved_gbps(backend.weights, tpot)
         # measured after the run, as the throughput roofline's peak, with nothing else on the cores
         ceiling = measure_read_gbps(backend.device, backend.weights.step_bytes)
         result.update({"weight_bytes_per_step": backend.weights.step_bytes, "achieved_gbps": achieved,
                        "read_ceiling_gbps": ceiling, "bandwidth_fraction": achieved / ceiling if ceiling > 0 else 0.0})
-    result.update({**memory_json(), "startup_s": startup_s, "engine_args": engine_kwargs})
+    result.update({**memory, "startup_s": startup_s, "engine_args": engine_kwargs})
     return result
 
 

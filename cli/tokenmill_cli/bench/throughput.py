@@ -77,6 +77,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
     counters = backend.counters().since(before)
     logging_after = stat_logging_seconds(backend)
     stat_logging_s = None if logging_before is None or logging_after is None else logging_after - logging_before
+    memory = memory_json()  # before the peak measurement's matrices can raise the peaks
     # Measured after the run, not before: start-up work still running in the background
     # (the CPU platform's KV prefault) would share the cores and understate the peak.
     peak, peak_source = ((opts.peak_gflops, "--peak-gflops") if opts.peak_gflops
@@ -105,7 +106,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "prefix_cache_hits": counters.prefix_hits,
         "prefix_cache_hit_rate": counters.prefix_hit_rate,
         "num_preemptions": counters.preemptions,
-        **memory_json(),
+        **memory,
         "startup_s": startup_s,
         "engine_args": engine_kwargs,
         "log_stats": log_stats,
