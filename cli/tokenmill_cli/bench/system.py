@@ -73,19 +73,8 @@ def _time_matmuls(torch: Any, device: Any, dtype: Any, size: int, seconds: float
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     out = torch.empty(size, size, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for _ in range(2):  # warm up: thread pools, kernels, caches
-        torch.mm(a, b, out=out)
-    sync()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b, out=out)
-        count += 1
-        if count % 4 == 0:
-            sync()
-    sync()
-    elapsed = time.perf_counter() - start
-    return 2 * size**3 * count / elapsed / 1e9
+    rate = _calls_per_second(torch, device, lambda: torch.mm(a, b, out=out), seconds)
+    return 2 * size**3 * rate / 1e9
 
 
 # A bigger working set reads at DRAM speed like this one, and the buffer is real memory.
@@ -101,16 +90,24 @@ def measure_read_gbps(device: Any, num_bytes: int, seconds: float = 0.3) -> floa
 
     elements = max(1, min(num_bytes, _READ_BUFFER_CAP) // 4)
     buffer = torch.ones(elements, device=device)
+    return elements * 4 * _calls_per_second(torch, device, buffer.sum, seconds) / 1e9
+
+
+def _calls_per_second(torch: Any, device: Any, call: Any, seconds: float) -> float:
+    """How many times a second ``call`` runs on ``device``, after two warm-up calls (thread
+    pools, kernels, caches, first-touch page faults), timed for about ``seconds``."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for _ in range(2):  # warm up: fault the pages in, wake the threads
-        buffer.sum()
+    for _ in range(2):
+        call()
     sync()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        buffer.sum()
+        call()
         count += 1
+        if count % 4 == 0:  # keep the GPU's queue short, so the loop's clock stays honest
+            sync()
     sync()
-    return elements * 4 * count / (time.perf_counter() - start) / 1e9
+    return count / (time.perf_counter() - start)
 
 
 def mib(num_bytes: int | None) -> float | None:
