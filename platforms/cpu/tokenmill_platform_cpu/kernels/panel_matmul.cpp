@@ -132,6 +132,7 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
 // x [M, K] float32, panels from pack_linear_weight of an [N, K] weight, bias [N] -> [M, N]
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
               "packed_linear: x [M, K] and panels [P, K, 32]");
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,

@@ -155,6 +155,7 @@ at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tenso
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
               "small_linear: float32 or bfloat16 x and weight of one dtype");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_linear: x [M, K], weight [N, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear: 1 to ", kMaxRows, " rows");
   auto xs = x.contiguous();
