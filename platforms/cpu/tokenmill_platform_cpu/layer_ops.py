@@ -47,8 +47,9 @@ class CpuLayerOps(NativeLayerOps):
 
     def __init__(self, kernels: ModuleType, packed_budget: int) -> None:
         self._kernels = kernels
-        # the dtypes the small-matmul kernel has a vector body for in this build
-        self._small_dtypes = {getattr(torch, name) for name in kernels.small_linear_dtypes()}
+        # rows per dtype for the small-matmul kernel, for the dtypes it has a vector body for in this build
+        self._small_max_rows = {dtype: SMALL_MAX_ROWS[dtype]
+                                for dtype in (getattr(torch, name) for name in kernels.small_linear_dtypes())}
         self._packing = bool(kernels.packed_linear_available())
         self._packed_budget = packed_budget
 
@@ -64,10 +65,10 @@ class CpuLayerOps(NativeLayerOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                prepared: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if 1 <= rows <= SMALL_MAX_ROWS.get(x.dtype, 0) and x.dtype == weight.dtype and x.dtype in self._small_dtypes:
-            out = self._kernels.small_linear(x.reshape(rows, x.shape[-1]), weight, bias)
+        if 1 <= rows <= self._small_max_rows.get(x.dtype, 0) and x.dtype == weight.dtype:
+            out = self._kernels.small_linear(x.reshape(rows, -1), weight, bias)
         elif prepared is not None and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
-            out = self._kernels.packed_linear(x.reshape(rows, x.shape[-1]), prepared, weight.shape[0], bias)
+            out = self._kernels.packed_linear(x.reshape(rows, -1), prepared, weight.shape[0], bias)
         else:
             return F.linear(x, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
