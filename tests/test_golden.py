@@ -54,6 +54,9 @@ def test_greedy_matches_transformers(arch, backend, model_factory, reference):
     prompts = _prompts(1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     _assert_matches(outputs, reference(arch, (1,)))
+    graphs = llm.engine.core.executor.runner.graphs
+    # the CPU kernels' decode steps ran as a step graph (captured once, then replayed); SDPA's never do
+    assert (graphs.batch_sizes if graphs else []) == ([8] if backend == "cpu-paged" else [])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
@@ -86,3 +89,19 @@ def test_preemption_recomputes_exactly(arch, model_factory, reference):
     assert llm.engine.core.scheduler.num_preemptions > 0
     _assert_matches(outputs, reference(arch, (1,)))
     assert llm.engine.core.kv_manager.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_step_graphs_match_at_every_batch_size(arch, model_factory, reference):
+    """Requests that stop one after another leave decode batches of 8, 6, 4, 2 and 1, each
+    for at least two steps: every size is captured as a step graph on its first decode step
+    and replayed on the next ones, and the tokens stay transformers'."""
+    llm = LLM(str(model_factory(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              attention_backend="cpu-paged")
+    max_tokens = [4, 4, 6, 6, 8, 8, 10, 12]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], params)
+    expected = [(tokens[:n], logprobs[:n]) for (tokens, logprobs), n in zip(reference(arch, (1,)), max_tokens,
+                                                                         strict=True)]
+    _assert_matches(outputs, expected)
+    assert llm.engine.core.executor.runner.graphs.batch_sizes == [1, 2, 4, 6, 8]

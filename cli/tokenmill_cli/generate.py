@@ -11,7 +11,9 @@ from tokenmill_cli.engine_options import (
     AttentionBackend,
     BlockSize,
     Dtype,
+    EnforceEager,
     KVCacheMemory,
+    MaxGraphBatchSize,
     MaxModelLen,
     MaxNumBatchedTokens,
     MaxNumSeqs,
@@ -43,6 +45,8 @@ def generate(
     seed: Seed = 0,
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
+    enforce_eager: EnforceEager = False,
+    max_graph_batch_size: MaxGraphBatchSize = 8,
 ) -> None:
     from tokenmill import LLM, SamplingParams, TokenmillError
 
@@ -55,7 +59,8 @@ def generate(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory, block_size=block_size, seed=seed,
-            attention_backend=attention_backend, strict_plugins=strict_plugins))
+            attention_backend=attention_backend, strict_plugins=strict_plugins,
+            enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size))
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
         else:

@@ -12,8 +12,10 @@ from tokenmill_cli.engine_options import (
     AttentionBackend,
     BlockSize,
     Dtype,
+    EnforceEager,
     GPUMemoryUtilization,
     KVCacheMemory,
+    MaxGraphBatchSize,
     MaxModelLen,
     MaxNumBatchedTokens,
     MaxNumSeqs,
@@ -67,6 +69,8 @@ def serve(
     seed: Seed = 0,
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
+    enforce_eager: EnforceEager = False,
+    max_graph_batch_size: MaxGraphBatchSize = 8,
     request_timeout: Annotated[float | None, typer.Option(
         help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
              "overrides it) [default: none]", rich_help_panel=_OPS)] = None,
@@ -103,6 +107,7 @@ def serve(
             scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             block_size=block_size, seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
+            enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size,
             request_timeout=request_timeout))
     except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

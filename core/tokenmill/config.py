@@ -47,6 +47,10 @@ class EngineConfig(BaseModel):
         None, gt=0, allow_inf_nan=False,
         description="seconds from arrival after which a request ends with finish_reason 'timeout'; None: never")
 
+    enforce_eager: bool = Field(False, description="run every step eagerly, never through a step graph")
+    max_graph_batch_size: int = Field(
+        8, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
+
     attention_backend: str | None = None
     structured_outputs_backend: str = Field(
         "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")

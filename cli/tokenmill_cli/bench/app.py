@@ -37,8 +37,10 @@ from tokenmill_cli.engine_options import (
     AttentionBackend,
     BlockSize,
     Dtype,
+    EnforceEager,
     GPUMemoryUtilization,
     KVCacheMemory,
+    MaxGraphBatchSize,
     MaxModelLen,
     MaxNumBatchedTokens,
     MaxNumSeqs,
@@ -116,6 +118,8 @@ def throughput(
     block_size: BlockSize = 16,
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
+    enforce_eager: EnforceEager = False,
+    max_graph_batch_size: MaxGraphBatchSize = 8,
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
@@ -151,7 +155,8 @@ def throughput(
         tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins)
+        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
+        enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
     (print_comparison if compare_structured else print_throughput)(result)
     _finish(result, output_json)
@@ -178,6 +183,8 @@ def latency(
     block_size: BlockSize = 16,
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
+    enforce_eager: EnforceEager = False,
+    max_graph_batch_size: MaxGraphBatchSize = 8,
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
@@ -191,7 +198,8 @@ def latency(
         tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins)
+        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
+        enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size)
     result = _guarded(lambda: run_latency(model, kwargs, opts))
     print_latency(result)
     _finish(result, output_json)

@@ -20,13 +20,17 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.prefault import populate_in_background
 from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.worker.step_graphs import DecodeGraphs, StepGraphCapture
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
-                 vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+                 vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                 graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0) -> None:
+        """``graph_capture``: the platform, where it can capture step graphs and the backend
+        allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -38,6 +42,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
+        self.graphs = (DecodeGraphs(graph_capture, backend, max_graph_batch_size, self.batch.block_table.shape[1])
+                       if graph_capture is not None and max_graph_batch_size > 0 else None)
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -49,6 +55,8 @@ class ModelRunner:
         thread, lowest block ids first (a fresh block pool hands those out first), so
         that the first requests do not pay for faulting in fresh pages."""
         self.kv_caches = []
+        if self.graphs is not None:
+            self.graphs.clear()  # they hold the caches they were captured on
         prefault_blocks = min(num_blocks, prefault_bytes // self.kv_bytes_per_block())
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
@@ -68,12 +76,19 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = self._forward(inputs)
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
         self._pool(inputs, hidden, output)
         self._sample(inputs, hidden, output, scheduler_output.grammar)
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.forward(self.model, inputs)
+            if hidden is not None:
+                return hidden
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -15,6 +15,7 @@ from tokenmill.model_loader.loader import resolve_model_class
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.step_graphs import StepGraphCapture
 
 
 def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginManager, checkpoint: Checkpoint,
@@ -40,4 +41,13 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         block_size=config.block_size,
+        graph_capture=_graph_capture(config, platform, backend),
+        max_graph_batch_size=config.max_graph_batch_size,
     )
+
+
+def _graph_capture(config: EngineConfig, platform: Any, backend: Any) -> StepGraphCapture | None:
+    """The platform, if decode steps may run through its step graphs."""
+    if config.enforce_eager or not getattr(backend, "supports_step_graphs", False):
+        return None
+    return platform if hasattr(platform, "capture_step_graph") else None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tokenmill.attention import AttentionMetadata, KVCache
 from tokenmill.layers import Attention
 from tokenmill_platform_cpu.kernels import load_kernels
+from tokenmill_platform_cpu.step_graph import active_kernels
 
 # Queries of at most this many tokens use the paged kernel.
 KERNEL_MAX_QUERY_LEN = 8
@@ -48,13 +49,15 @@ class PagedStepData:
 
 class CpuPagedAttentionBackend:
     name = "cpu-paged"
+    # A decode step (every query one token) always takes the kernel path below, whose work
+    # depends only on the contents of the metadata's tensors and of prepare()'s result.
+    supports_step_graphs = True
 
     def __init__(self, **_: object) -> None:
         kernels = load_kernels()
         if kernels is None:
             raise RuntimeError("the CPU paged attention kernel could not be built")
-        self._kernel = kernels.paged_attention
-        self._write_kv = kernels.write_kv_cache
+        self._kernels = kernels
 
     def prepare(self, metadata: AttentionMetadata) -> PagedStepData:
         query_start = metadata.query_start_loc_cpu
@@ -73,7 +76,7 @@ class CpuPagedAttentionBackend:
 
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        self._write_kv(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+        active_kernels(self._kernels).write_kv_cache(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         step: PagedStepData = metadata.backend_data
         if step.kernel_tokens is None:
             return self._paged(layer, query.contiguous(), kv_cache, metadata, step)
@@ -92,8 +95,9 @@ class CpuPagedAttentionBackend:
 
     def _paged(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                step: PagedStepData) -> torch.Tensor:
-        return self._kernel(query, kv_cache[0], kv_cache[1], metadata.block_table, step.token_request,
-                            step.token_position, layer.scale, layer.sliding_window or 0)
+        return active_kernels(self._kernels).paged_attention(
+            query, kv_cache[0], kv_cache[1], metadata.block_table, step.token_request, step.token_position,
+            layer.scale, layer.sliding_window or 0)
 
     @staticmethod
     def _causal(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import NativeLayerOps
+from tokenmill_platform_cpu.step_graph import active_kernels
 
 # The fused kernels' dtypes (bfloat16 is computed in float32 and rounded once).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -66,9 +67,9 @@ class CpuLayerOps(NativeLayerOps):
                prepared: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         if 1 <= rows <= self._small_max_rows.get(x.dtype, 0) and x.dtype == weight.dtype:
-            out = self._kernels.small_linear(x.reshape(rows, -1), weight, bias)
+            out = active_kernels(self._kernels).small_linear(x.reshape(rows, -1), weight, bias)
         elif prepared is not None and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
-            out = self._kernels.packed_linear(x.reshape(rows, -1), prepared, weight.shape[0], bias)
+            out = active_kernels(self._kernels).packed_linear(x.reshape(rows, -1), prepared, weight.shape[0], bias)
         else:
             return F.linear(x, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -76,24 +77,24 @@ class CpuLayerOps(NativeLayerOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
             return super().rms_norm(x, weight, eps)
-        return self._kernels.rms_norm(x, weight, eps)
+        return active_kernels(self._kernels).rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         if not _fused_add_applies(x, residual, weight):
             return super().add_rms_norm(x, residual, weight, eps)
-        return self._kernels.add_rms_norm_(x, residual, weight, eps)
+        return active_kernels(self._kernels).add_rms_norm_(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in KERNEL_DTYPES:
             return super().silu_and_mul(x)
-        return self._kernels.silu_and_mul(x)
+        return active_kernels(self._kernels).silu_and_mul(x)
 
     def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not _rotary_applies(q, k, cos_cache):
             return super().rotary(positions, q, k, cos_cache, sin_cache)
-        self._kernels.rotary_embedding_(positions, q, k, cos_cache, sin_cache)
+        active_kernels(self._kernels).rotary_embedding_(positions, q, k, cos_cache, sin_cache)
         return q, k
 
 

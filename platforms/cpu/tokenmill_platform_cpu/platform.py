@@ -1,23 +1,27 @@
 """The CPU platform: threads from the usable cores, float32 by default, a KV
 cache sized by ``--kv-cache-memory`` (default: a quarter of available RAM, at
-most 1 GiB), its kernels registered as layer ops and sampling kernels, and
-malloc told to keep freed memory for the next step (see allocator)."""
+most 1 GiB), its kernels registered as layer ops and sampling kernels, small
+decode batches replayed as step graphs (see step_graph), and malloc told to keep
+freed memory for the next step (see allocator)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.layers import register_layer_ops
 from tokenmill.sample.kernels import register_sampling_kernels
+from tokenmill.worker.step_graphs import StepGraphUnsupported
 from tokenmill_platform_cpu.allocator import keep_freed_memory, retain_bytes
 from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.layer_ops import CpuLayerOps
 from tokenmill_platform_cpu.sampling import CpuSamplingKernels
+from tokenmill_platform_cpu.step_graph import CpuStepGraph, capture_step_graph
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,12 @@ class CpuPlatform:
         holds memory the first few hundred sequences would take anyway."""
         wanted = parse_size(os.environ.get("TOKENMILL_KV_PREFAULT", DEFAULT_KV_PREFAULT))
         return min(wanted, self.kv_cache_bytes(config))
+
+    def capture_step_graph(self, run: Callable[[], torch.Tensor]) -> tuple[CpuStepGraph, torch.Tensor]:
+        kernels = load_kernels()
+        if kernels is None:
+            raise StepGraphUnsupported("the CPU kernels are not built")
+        return capture_step_graph(kernels, run)
 
     def synchronize(self) -> None:
         pass

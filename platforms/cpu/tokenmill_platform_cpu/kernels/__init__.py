@@ -21,7 +21,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bindings.cpp", "paged_attention.cpp", "cache_write.cpp", "layer_ops.cpp",
-                          "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp")]
+                          "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp", "step_graph.cpp")]
 
 
 def build_directory() -> Path:

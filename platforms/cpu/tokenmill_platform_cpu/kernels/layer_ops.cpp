@@ -48,12 +48,15 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t d, float eps) 
 
 }  // namespace
 
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+// The *_out forms write into a given contiguous tensor of the result's shape and dtype:
+// a step graph replays them on its own buffers.
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_same_type(x, weight, "rms_norm");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.sizes() == x.sizes(),
+              "rms_norm: out must be a contiguous tensor of x's shape and dtype");
   const int64_t d = x.size(-1);
   auto rows = x.reshape({-1, d}).contiguous();
   auto w = weight.contiguous();
-  auto out = at::empty_like(rows);
   with_element_type(x, "rms_norm", [&](auto element) {
     using T = decltype(element);
     const T* in_ptr = rows.data_ptr<T>();
@@ -63,7 +66,12 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
       for (int64_t r = begin; r < end; ++r) norm_row(in_ptr + r * d, w_ptr, out_ptr + r * d, d, static_cast<float>(eps));
     });
   });
-  return out.view(x.sizes());
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  auto out = at::empty(x.sizes(), x.options());
+  rms_norm_out(x, weight, eps, out);
+  return out;
 }
 
 // residual += x, then x = rms_norm(residual), both in place; returns x.
@@ -93,12 +101,13 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
 }
 
 // [T, 2I] -> [T, I]: silu(first half) * second half
-at::Tensor silu_and_mul(at::Tensor x) {
+void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
   auto in = x.contiguous();
   const int64_t width = in.size(-1), half = width / 2, n = in.numel() / width;
   auto sizes = in.sizes().vec();
   sizes.back() = half;
-  auto out = at::empty(sizes, in.options());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.sizes() == at::IntArrayRef(sizes),
+              "silu_and_mul: out must be a contiguous [..., I] tensor of x's dtype");
   with_element_type(x, "silu_and_mul", [&](auto element) {
     using T = decltype(element);
     const T* in_ptr = in.data_ptr<T>();
@@ -127,6 +136,14 @@ at::Tensor silu_and_mul(at::Tensor x) {
       }
     });
   });
+}
+
+at::Tensor silu_and_mul(at::Tensor x) {
+  auto sizes = x.sizes().vec();
+  TORCH_CHECK(!sizes.empty(), "silu_and_mul: x must have a last dimension");
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, x.options());
+  silu_and_mul_out(x, out);
   return out;
 }
 

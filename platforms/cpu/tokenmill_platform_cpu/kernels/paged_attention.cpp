@@ -234,15 +234,18 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
 
 }  // namespace
 
-at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                           at::Tensor block_table, at::Tensor token_request,
-                           at::Tensor token_position, double scale, int64_t sliding_window) {
+// As paged_attention, into out (contiguous, the query's shape and dtype): a step graph
+// replays it on its own buffers.
+void paged_attention_out(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_table, const at::Tensor& token_request,
+                         const at::Tensor& token_position, double scale, int64_t sliding_window, at::Tensor& out) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "paged_attention: the cache must have the query's dtype");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
-  auto out = at::empty_like(query);
+  TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.sizes() == query.sizes(),
+              "paged_attention: out must be a contiguous tensor of the query's shape and dtype");
   auto table = block_table.contiguous();
   auto req = token_request.contiguous();
   auto pos = token_position.contiguous();
@@ -251,5 +254,13 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
   else
     run<c10::BFloat16>(query, key_cache, value_cache, table, req, pos, static_cast<float>(scale), sliding_window,
                        out);
+}
+
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_table, at::Tensor token_request,
+                           at::Tensor token_position, double scale, int64_t sliding_window) {
+  auto out = at::empty(query.sizes(), query.options());
+  paged_attention_out(query, key_cache, value_cache, block_table, token_request, token_position, scale,
+                      sliding_window, out);
   return out;
 }

@@ -129,14 +129,26 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
   return out;
 }
 
-// x [M, K] float32, panels from pack_linear_weight of an [N, K] weight, bias [N] -> [M, N]
-at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+namespace {
+
+void check_packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
               "packed_linear: x [M, K] and panels [P, K, 32]");
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
               "packed_linear: n does not match the panels");
+}
+
+}  // namespace
+
+// As packed_linear, into out [M, N] (contiguous float32): a step graph replays it on its own buffers.
+void packed_linear_out(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
+                       at::Tensor& out) {
+  check_packed_linear(x, panels, n);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == n,
+              "packed_linear: out must be a contiguous float32 [M, N] tensor");
   auto xs = x.contiguous();
   auto ps = panels.contiguous();
   at::Tensor b;
@@ -145,8 +157,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::option
     TORCH_CHECK(b.numel() == n, "packed_linear: one bias per output");
   }
   const int64_t m = xs.size(0), k = xs.size(1), count = ps.size(0);
-  auto out = at::empty({m, n}, xs.options());
-  if (m == 0) return out;
+  if (m == 0) return;
   const float* x_ptr = xs.data_ptr<float>();
   const float* p_ptr = ps.data_ptr<float>();
   const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -158,5 +169,12 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::option
       panel_rows(x_ptr, m, panel, out_ptr + p * kPanel, n);
     }
   });
+}
+
+// x [M, K] float32, panels from pack_linear_weight of an [N, K] weight, bias [N] -> [M, N]
+at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  check_packed_linear(x, panels, n);
+  auto out = at::empty({x.size(0), n}, x.options());
+  packed_linear_out(x, panels, n, bias, out);
   return out;
 }

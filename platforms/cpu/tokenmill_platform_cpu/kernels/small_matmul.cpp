@@ -151,13 +151,27 @@ std::vector<std::string> small_linear_dtypes() {
   return fast;
 }
 
-at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+namespace {
+
+void check_small_linear(const at::Tensor& x, const at::Tensor& weight) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
               "small_linear: float32 or bfloat16 x and weight of one dtype");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_linear: x [M, K], weight [N, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear: 1 to ", kMaxRows, " rows");
+}
+
+}  // namespace
+
+// As small_linear, into out [M, N] (contiguous, x's dtype): a step graph replays it on its own buffers.
+void small_linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      at::Tensor& out) {
+  check_small_linear(x, weight);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0),
+              "small_linear: out must be a contiguous [M, N] tensor of x's dtype");
   auto xs = x.contiguous();
   auto w = weight.contiguous();
   at::Tensor b;
@@ -165,10 +179,15 @@ at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tenso
     b = bias->to(dtype).contiguous();
     TORCH_CHECK(b.numel() == w.size(0), "small_linear: one bias per output");
   }
-  auto out = at::empty({xs.size(0), w.size(0)}, xs.options());
   if (dtype == at::kFloat)
     dispatch_rows<float>(xs, w, b, out);
   else
     dispatch_rows<bf16>(xs, w, b, out);
+}
+
+at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+  check_small_linear(x, weight);
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  small_linear_out(x, weight, bias, out);
   return out;
 }

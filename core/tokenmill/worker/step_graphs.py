@@ -1,0 +1,164 @@
+"""Step graphs: a decode forward captured once per batch size and replayed.
+
+At small decode batches a forward's kernels do little work each, and launching
+them from Python costs as much as they run (on the CPU ~1 ms of a 7 ms batch-1
+step). A platform that can record a forward's kernel calls (``capture_step_graph``,
+the CPU platform's C++ step graph; CUDA graphs would fit the same seam) lets the
+runner replay them instead: the inputs are copied into the captured tensors, the
+graph reruns every kernel on the same buffers, and the captured output holds the
+hidden states.
+
+Which steps qualify: uniform decode (one new token per request) of at most
+``max_batch_size`` requests, on an attention backend that declares
+``supports_step_graphs`` — its promise that for such steps its work depends only
+on the contents of the metadata's tensors and of its ``prepare`` result, never on
+Python values that change from step to step. The first step of each batch size is
+the capture (a real step, so it costs nothing extra); a batch size whose capture
+fails runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.worker.model_interface import CausalLM
+from tokenmill.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+# The metadata tensors a replay refreshes (the block table separately: it is captured at full width).
+_METADATA_TENSORS = ("query_start_loc", "seq_lens", "context_lens", "slot_mapping")
+
+
+class StepGraphUnsupported(Exception):
+    """The platform cannot capture this forward (it names the reason); the step runs eagerly."""
+
+
+class StepGraph(Protocol):
+    def replay(self) -> None: ...
+
+
+class StepGraphCapture(Protocol):
+    """The optional platform capability: run ``run`` once and record it, returning the graph
+    and ``run``'s output, which every replay rewrites. Raises StepGraphUnsupported."""
+
+    def capture_step_graph(self, run: Callable[[], torch.Tensor]) -> tuple[StepGraph, torch.Tensor]: ...
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: StepGraph
+    hidden: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata  # its tensors are the ones the graph reads
+    backend_tensors: list[torch.Tensor]
+    backend_layout: Any  # the backend data with its tensors left out: a replay needs the same
+
+    def load(self, inputs: StepInputs, backend_data: Any) -> bool:
+        """Copy a step's inputs into the captured tensors; False if its backend data is laid out differently."""
+        tensors: list[torch.Tensor] = []
+        if _layout(backend_data, tensors) != self.backend_layout:
+            return False
+        self.input_ids.copy_(inputs.input_ids)
+        self.positions.copy_(inputs.positions)
+        for name in _METADATA_TENSORS:
+            getattr(self.metadata, name).copy_(getattr(inputs.metadata, name))
+        table = inputs.metadata.block_table
+        self.metadata.block_table[:, : table.shape[1]].copy_(table)
+        for captured, new in zip(self.backend_tensors, tensors, strict=True):
+            captured.copy_(new)
+        return True
+
+
+class DecodeGraphs:
+    """The step graphs of one model runner, by decode batch size."""
+
+    def __init__(self, capture: StepGraphCapture, backend: AttentionBackend, max_batch_size: int,
+                 max_blocks_per_seq: int) -> None:
+        self._capture = capture
+        self._backend = backend
+        self._max_batch_size = max_batch_size
+        self._max_blocks = max_blocks_per_seq
+        self._graphs: dict[int, _Captured] = {}
+        self._eager: set[int] = set()  # batch sizes whose capture failed
+
+    def clear(self) -> None:
+        """Forget every graph (they hold the KV cache they were captured on)."""
+        self._graphs.clear()
+        self._eager.clear()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes captured."""
+        return sorted(self._graphs)
+
+    @property
+    def eager_batch_sizes(self) -> list[int]:
+        """The batch sizes whose capture failed."""
+        return sorted(self._eager)
+
+    def forward(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's hidden states through a graph, or None: run this step eagerly."""
+        metadata = inputs.metadata
+        batch = metadata.num_reqs
+        if metadata.num_actual_tokens != batch or batch > self._max_batch_size or batch in self._eager:
+            return None
+        captured = self._graphs.get(batch)
+        if captured is None:
+            return self._capture_step(model, inputs)
+        if not captured.load(inputs, metadata.backend_data):
+            return None
+        captured.graph.replay()
+        return captured.hidden
+
+    def _capture_step(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor | None:
+        batch = inputs.metadata.num_reqs
+        metadata = _static_metadata(inputs.metadata, self._max_blocks)
+        metadata.backend_data = self._backend.prepare(metadata)
+        input_ids, positions = inputs.input_ids.clone(), inputs.positions.clone()
+        try:
+            graph, hidden = self._capture.capture_step_graph(lambda: model(input_ids, positions, metadata))
+        except StepGraphUnsupported as exc:
+            logger.info("decode batches of %d run eagerly: %s", batch, exc)
+            self._eager.add(batch)
+            return None
+        backend_tensors: list[torch.Tensor] = []
+        layout = _layout(metadata.backend_data, backend_tensors)
+        self._graphs[batch] = _Captured(graph, hidden, input_ids, positions, metadata, backend_tensors, layout)
+        return hidden
+
+
+def _static_metadata(metadata: AttentionMetadata, max_blocks: int) -> AttentionMetadata:
+    """A copy the graph owns, its block table padded to the widest a sequence can need."""
+    table = metadata.block_table
+    wide = torch.zeros((table.shape[0], max(max_blocks, table.shape[1])), dtype=table.dtype, device=table.device)
+    wide[:, : table.shape[1]] = table
+    copies = {name: getattr(metadata, name).clone() for name in _METADATA_TENSORS}
+    return dataclasses.replace(metadata, block_table=wide, backend_data=None, **copies)
+
+
+def _layout(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by its shape and dtype (appended to ``tensors``
+    in order), for comparing two steps' backend data; None for a type it cannot compare."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, np.ndarray):
+        return ("array", value.shape, value.dtype.str, value.tobytes())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, tuple(_layout(getattr(value, f.name), tensors)
+                                            for f in dataclasses.fields(value)))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_layout(v, tensors) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _layout(v, tensors)) for k, v in value.items()))
+    if value is None or isinstance(value, int | float | str | bool):
+        return value
+    return object()  # never equal to another: steps with such backend data run eagerly

@@ -1,0 +1,116 @@
+"""Step graphs: kernel calls recorded during a real run and replayed from C++ on new inputs,
+against the same calls made eagerly; and the guard that refuses forwards it cannot replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.worker.step_graphs import StepGraphUnsupported
+from tokenmill_platform_cpu.kernels import kernels_available, load_kernels
+from tokenmill_platform_cpu.layer_ops import CpuLayerOps
+from tokenmill_platform_cpu.step_graph import active_kernels, capture_step_graph
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernels")
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuLayerOps:
+    return CpuLayerOps(load_kernels(), packed_budget=1 << 40)
+
+
+class _TinyBlock:
+    """Embedding, a projection, a norm, a gated MLP with bias and a residual add: the
+    kinds of call a decoder layer makes, on weights of a few hundred columns."""
+
+    def __init__(self, ops: CpuLayerOps, dtype: torch.dtype) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ops = ops
+        self.table = torch.randn(100, 64, generator=g).to(dtype)
+        self.proj = torch.randn(96, 64, generator=g).to(dtype)
+        self.norm = torch.rand(96, generator=g).to(dtype)
+        self.gate_up = torch.randn(2 * 128, 96, generator=g).to(dtype)
+        self.bias = torch.randn(2 * 128, generator=g).to(dtype)
+        self.down = torch.randn(96, 128, generator=g).to(dtype)
+        self.prepared = {w: ops.prepare_linear_weight(w) for w in ("proj", "gate_up", "down")
+                         for w in [getattr(self, w)]}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        prepared = next((p for w, p in self.prepared.items() if w is weight), None)
+        return self.ops.linear(x, weight, bias, prepared)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        residual = self.linear(F.embedding(ids, self.table), self.proj)
+        h = self.ops.rms_norm(residual, self.norm, 1e-6)
+        h = self.linear(self.ops.silu_and_mul(self.linear(h, self.gate_up, self.bias)), self.down)
+        return self.ops.add_rms_norm(h, residual, self.norm, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_replay_reruns_every_kernel_on_new_inputs(ops, dtype, rows):
+    """Rows 1-2 take the small-matmul kernel, 5 the packed panels (float32) or the small
+    kernel (bfloat16); each replay must equal the same block run eagerly on the new ids."""
+    block = _TinyBlock(ops, dtype)
+    ids = torch.arange(rows)
+    graph, out = capture_step_graph(load_kernels(), lambda: block(ids))
+    torch.testing.assert_close(out, block(ids))
+    for seed in range(3):
+        ids.copy_(torch.randint(0, 100, (rows,), generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.testing.assert_close(out, block(ids))
+    assert len(graph) == 7  # embedding, four matmuls, norm, SiLU, add + norm
+
+
+def test_contiguous_copies_are_replayed(ops):
+    """The attention backend makes the query contiguous when it is a strided view of the
+    fused qkv output (decode batches of two or more): the copy must be redone each replay."""
+    x = torch.randn(2, 2 * 64)
+    weight = torch.randn(32, 64)
+
+    def run() -> torch.Tensor:
+        return ops.linear(x[:, :64].contiguous(), weight, None, None)
+
+    graph, out = capture_step_graph(load_kernels(), run)
+    x.copy_(torch.randn(2, 2 * 64))
+    graph.replay()
+    torch.testing.assert_close(out, x[:, :64] @ weight.T)
+
+
+WEIGHT = torch.ones(4, 64)
+
+
+@pytest.mark.parametrize(("name", "run", "reason"), [
+    ("torch compute", lambda x: x * 2, "aten.mul.Tensor computes outside the kernels"),
+    ("in-place write", lambda x: x.add_(1), "aten.add_.Tensor writes a tensor outside the kernels"),
+    ("value read into Python", lambda x: x[0, 0].item(), "aten._local_scalar_dense"),
+    ("torch matmul", lambda x: F.linear(x, WEIGHT), "computes outside the kernels"),
+    ("a new tensor of values", lambda x: torch.ones(2), "aten.ones.default computes outside the kernels"),
+])
+def test_capture_refuses_what_it_cannot_replay(ops, name, run, reason):
+    x, norm = torch.randn(2, 64), torch.ones(64)
+    with pytest.raises(StepGraphUnsupported, match=reason.replace(".", r"\.")):
+        capture_step_graph(load_kernels(), lambda: run(ops.rms_norm(x, norm, 1e-6)))
+
+
+def test_views_and_allocations_are_allowed(ops):
+    x, norm = torch.randn(2, 4, 16), torch.ones(64)
+
+    def run() -> torch.Tensor:
+        flat = x.view(2, 64).reshape(2, 64)
+        empty = torch.empty(3)  # allocated, never read: harmless
+        del empty
+        return ops.rms_norm(flat, norm, 1e-6)[:, :32].transpose(0, 1)
+
+    graph, out = capture_step_graph(load_kernels(), run)
+    x.copy_(torch.randn(2, 4, 16))
+    graph.replay()
+    torch.testing.assert_close(out, ops.rms_norm(x.view(2, 64), norm, 1e-6)[:, :32].T)
+
+
+def test_a_kernel_without_a_graph_form_is_refused():
+    kernels = load_kernels()
+    logits, temperature, uniform = torch.randn(1, 8), torch.ones(1), torch.rand(1)
+    with pytest.raises(StepGraphUnsupported, match="temperature_sample"):
+        capture_step_graph(kernels, lambda: active_kernels(kernels).temperature_sample(logits, temperature, uniform))

@@ -1,0 +1,136 @@
+// A step graph: the kernel calls of one model forward, recorded as they run and
+// replayed later from C++ on the same buffers, with no Python in between (the
+// CPU counterpart of a CUDA graph). At batch 1 a decode forward is ~100 kernel
+// calls of a few microseconds of work each; making them from Python (module
+// calls, the layer-ops seam, argument parsing) cost ~1 ms of a ~7 ms step.
+//
+// Each method has the name and arguments of the kernel it stands for: while a
+// forward is captured the platform hands this object to the layer ops and the
+// attention backend in place of the kernels module. A method runs its kernel at
+// once (the capture is a real step), into an output it allocates, and keeps a
+// closure that reruns it into that same output. The closures hold their tensors,
+// so inputs, intermediate buffers, weights and caches live as long as the graph;
+// a replay sees whatever the caller wrote into the input tensors since.
+#include <torch/extension.h>
+
+#include <functional>
+#include <utility>
+#include <vector>
+
+void small_linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      at::Tensor& out);
+void packed_linear_out(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
+                       at::Tensor& out);
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void silu_and_mul_out(const at::Tensor& x, at::Tensor& out);
+void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache, at::Tensor sin_cache);
+void paged_attention_out(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_table, const at::Tensor& token_request,
+                         const at::Tensor& token_position, double scale, int64_t sliding_window, at::Tensor& out);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                    at::Tensor slot_mapping);
+
+class StepGraph {
+ public:
+  at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_linear: x [M, K], weight [N, K]");
+    auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+    return record([=]() mutable { small_linear_out(x, weight, bias, out); }, out);
+  }
+
+  at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(x.dim() == 2, "packed_linear: x [M, K]");
+    auto out = at::empty({x.size(0), n}, x.options());
+    return record([=]() mutable { packed_linear_out(x, panels, n, bias, out); }, out);
+  }
+
+  at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+    auto out = at::empty(x.sizes(), x.options());
+    return record([=]() mutable { rms_norm_out(x, weight, eps, out); }, out);
+  }
+
+  at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+    return record([=]() { ::add_rms_norm_(x, residual, weight, eps); }, x);
+  }
+
+  at::Tensor silu_and_mul(at::Tensor x) {
+    TORCH_CHECK(x.dim() >= 1, "silu_and_mul: x must have a last dimension");
+    auto sizes = x.sizes().vec();
+    sizes.back() /= 2;
+    auto out = at::empty(sizes, x.options());
+    return record([=]() mutable { silu_and_mul_out(x, out); }, out);
+  }
+
+  void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
+                         at::Tensor sin_cache) {
+    record([=]() { ::rotary_embedding_(positions, q, k, cos_cache, sin_cache); });
+  }
+
+  at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_table,
+                             at::Tensor token_request, at::Tensor token_position, double scale,
+                             int64_t sliding_window) {
+    auto out = at::empty(query.sizes(), query.options());
+    return record([=]() mutable {
+      paged_attention_out(query, key_cache, value_cache, block_table, token_request, token_position, scale,
+                          sliding_window, out);
+    }, out);
+  }
+
+  void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor slot_mapping) {
+    record([=]() { ::write_kv_cache(key, value, key_cache, value_cache, slot_mapping); });
+  }
+
+  // The token embedding lookup (torch's embedding op, which the capture lowers to this).
+  at::Tensor embedding(at::Tensor weight, at::Tensor ids) {
+    TORCH_CHECK(weight.dim() == 2 && ids.dim() == 1, "embedding: weight [V, H] and ids [T]");
+    auto out = at::empty({ids.size(0), weight.size(1)}, weight.options());
+    return record([=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
+  }
+
+  // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
+  at::Tensor contiguous(at::Tensor x) {
+    auto out = at::empty(x.sizes(), x.options());
+    return record([=]() mutable { out.copy_(x); }, out);
+  }
+
+  void replay() {
+    for (auto& op : ops_) op();
+  }
+
+  int64_t size() const { return static_cast<int64_t>(ops_.size()); }
+
+ private:
+  template <typename Op>
+  void record(Op op) {
+    op();
+    ops_.emplace_back(std::move(op));
+  }
+
+  template <typename Op>
+  at::Tensor record(Op op, at::Tensor out) {
+    record(std::move(op));
+    return out;
+  }
+
+  std::vector<std::function<void()>> ops_;
+};
+
+void bind_step_graph(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StepGraph>(m, "StepGraph", "Kernel calls recorded as they run, replayed from C++ on the same buffers")
+      .def(py::init<>())
+      .def("small_linear", &StepGraph::small_linear)
+      .def("packed_linear", &StepGraph::packed_linear)
+      .def("rms_norm", &StepGraph::rms_norm)
+      .def("add_rms_norm_", &StepGraph::add_rms_norm_)
+      .def("silu_and_mul", &StepGraph::silu_and_mul)
+      .def("rotary_embedding_", &StepGraph::rotary_embedding_)
+      .def("paged_attention", &StepGraph::paged_attention)
+      .def("write_kv_cache", &StepGraph::write_kv_cache)
+      .def("embedding", &StepGraph::embedding)
+      .def("contiguous", &StepGraph::contiguous)
+      .def("replay", &StepGraph::replay, py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &StepGraph::size);
+}
