@@ -79,14 +79,21 @@ def test_contiguous_copies_are_replayed(ops):
 
 
 WEIGHT = torch.ones(4, 64)
+INDEX = torch.tensor([1, 0])
+MASK = torch.ones(2, dtype=torch.bool)
 
 
 @pytest.mark.parametrize(("name", "run", "reason"), [
-    ("torch compute", lambda x: x * 2, "aten.mul.Tensor computes outside the kernels"),
-    ("in-place write", lambda x: x.add_(1), "aten.add_.Tensor writes a tensor outside the kernels"),
-    ("value read into Python", lambda x: x[0, 0].item(), "aten._local_scalar_dense"),
-    ("torch matmul", lambda x: F.linear(x, WEIGHT), "computes outside the kernels"),
-    ("a new tensor of values", lambda x: torch.ones(2), "aten.ones.default computes outside the kernels"),
+    ("torch compute", lambda x: x * 2, "mul computes outside the kernels"),
+    ("in-place write", lambda x: x.add_(1), "add_ writes a tensor outside the kernels"),
+    ("in-place operator", lambda x: x.__iadd__(1), "add_ writes a tensor outside the kernels"),
+    ("in-place bitwise operator", lambda x: MASK.__ior__(MASK), "__ior__ writes a tensor outside the kernels"),
+    ("item assignment", lambda x: x.__setitem__(0, 1.0), "__setitem__ writes"),
+    ("out= argument", lambda x: torch.mul(x, 2, out=x), "mul writes"),
+    ("value read into Python", lambda x: x[0, 0].item(), "item reads a value outside the kernels"),
+    ("torch matmul", lambda x: F.linear(x, WEIGHT), "linear computes outside the kernels"),
+    ("a new tensor of values", lambda x: torch.ones(2), "ones computes outside the kernels"),
+    ("advanced indexing", lambda x: x[INDEX], "__getitem__ computes"),
 ])
 def test_capture_refuses_what_it_cannot_replay(ops, name, run, reason):
     x, norm = torch.randn(2, 64), torch.ones(64)
@@ -99,6 +106,7 @@ def test_views_and_allocations_are_allowed(ops):
 
     def run() -> torch.Tensor:
         flat = x.view(2, 64).reshape(2, 64)
+        assert flat.shape[0] == flat.size(0) == len(flat) and flat.dim() == 2 and flat.is_contiguous()
         empty = torch.empty(3)  # allocated, never read: harmless
         del empty
         return ops.rms_norm(flat, norm, 1e-6)[:, :32].transpose(0, 1)

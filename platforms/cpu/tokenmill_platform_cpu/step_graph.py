@@ -3,11 +3,12 @@
 While a capture runs, :func:`active_kernels` hands the layer ops and the attention
 backend the graph in place of the kernels module, so every kernel call both runs
 and is recorded. Whatever else the forward does goes through torch, and a torch
-op would not be replayed, so a dispatch mode watches them all: allocations and
-views (outputs that alias an input) are safe, the token embedding and contiguous
-copies are lowered to graph ops, and anything else (a matmul torch runs, an in-place op, reading a value
-back into Python) makes the capture fail with the op's name; the model runner then
-runs that batch size eagerly. A failed capture has only run the step's own kernels
+call would not be replayed, so a torch function mode watches them all: allocations,
+views (outputs that alias an input) and metadata (shapes, strides) are safe, the
+token embedding and contiguous copies are lowered to graph ops, and anything else
+(a matmul torch runs, an in-place op, a value read back into Python) makes the
+capture fail with the call's name; the model runner then runs that batch size
+eagerly. A failed capture has only run the step's own kernels
 (its K/V writes included), so running the step again eagerly is harmless.
 """
 
@@ -19,13 +20,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tokenmill.worker.step_graphs import StepGraphUnsupported
 
-_aten = torch.ops.aten
-_ALLOCATIONS = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty}
+_ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+# Calls that return facts about a tensor rather than its values (`__get__`: shape, dtype, ...).
+_METADATA = {"__get__", "dim", "size", "stride", "numel", "__len__", "is_contiguous", "element_size",
+             "storage_offset", "is_floating_point", "get_device"}
+_IN_PLACE_OPERATORS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+                       "lshift", "rshift"}
 _recording: ContextVar[_Recorder | None] = ContextVar("tokenmill_cpu_step_graph", default=None)
 
 
@@ -53,7 +59,7 @@ def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor]) -> 
     recorder = _Recorder(kernels.StepGraph())
     token = _recording.set(recorder)
     try:
-        with _TorchOpGuard(recorder):
+        with _TorchCallGuard(recorder):
             out = run()
     finally:
         _recording.reset(token)
@@ -63,53 +69,61 @@ def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor]) -> 
 
 
 class _Recorder:
-    """The graph behind the kernels module's names; counts the calls in progress so
-    the guard lets through the torch ops a kernel makes itself (allocations, say)."""
+    """The graph behind the kernels module's names."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
-        self.inside = 0
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         try:
-            method = getattr(self.graph, name)
+            return getattr(self.graph, name)
         except AttributeError:
             raise StepGraphUnsupported(f"kernel {name!r} has no step-graph form") from None
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.inside += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.inside -= 1
 
-        return call
+class _TorchCallGuard(TorchFunctionMode):
+    """Sees every torch call the forward makes in Python (not the ones inside the kernels,
+    which are C++): a torch function mode rather than a dispatch mode, because the first
+    dispatch mode of a process imports ~900 modules (~1 s, ~140 MB)."""
 
-
-class _TorchOpGuard(TorchDispatchMode):
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
         self._recorder = recorder
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._recorder.inside:
-            return func(*args, **kwargs)
-        if func is _aten.embedding.default and args[1].dim() == 1:
-            return self._recorder.embedding(args[0], args[1])
-        if func is _aten.contiguous.default and args[0].is_contiguous():
+        name = getattr(func, "__name__", repr(func))
+        if func is F.embedding and _plain_embedding(args, kwargs):
+            return self._recorder.embedding(args[1], args[0])
+        if name == "contiguous" and args[0].is_contiguous():
             return args[0]
-        if func in (_aten.contiguous.default, _aten.clone.default):  # clone: always a copy
+        if name in ("contiguous", "clone"):  # clone: always a copy
             return self._recorder.contiguous(args[0])
-        if func._schema.is_mutable:
-            raise StepGraphUnsupported(f"torch op {func} writes a tensor outside the kernels")
+        if _writes(name, kwargs):
+            raise StepGraphUnsupported(f"torch call {name} writes a tensor outside the kernels")
         out = func(*args, **kwargs)
-        if func.overloadpacket in _ALLOCATIONS or _is_view(out, args):
+        if func in _ALLOCATIONS:
             return out
-        raise StepGraphUnsupported(f"torch op {func} computes outside the kernels")
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors and _alias_inputs(tensors, args, kwargs):
+            return out  # a view
+        if not tensors and name in _METADATA:
+            return out
+        raise StepGraphUnsupported(f"torch call {name} {'computes' if tensors else 'reads a value'} outside the kernels")
 
 
-def _is_view(out: Any, args: tuple[Any, ...]) -> bool:
-    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    inputs = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
-    return bool(outputs) and all(t.untyped_storage().data_ptr() in inputs for t in outputs)
+def _plain_embedding(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A row lookup: 1-d ids and no max_norm (which renormalises the table in place)."""
+    max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+    return isinstance(args[0], torch.Tensor) and args[0].dim() == 1 and max_norm is None
+
+
+def _writes(name: str, kwargs: dict[str, Any]) -> bool:
+    in_place = name.endswith("_") and not name.endswith("__")
+    operator_in_place = name.startswith("__i") and name[3:-2] in _IN_PLACE_OPERATORS
+    return in_place or operator_in_place or name == "__setitem__" or kwargs.get("out") is not None
+
+
+def _alias_inputs(outputs: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in inputs for t in outputs)
