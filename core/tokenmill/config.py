@@ -49,7 +49,7 @@ class EngineConfig(BaseModel):
 
     enforce_eager: bool = Field(False, description="run every step eagerly, never through a step graph")
     max_graph_batch_size: int = Field(
-        8, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
+        64, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
 
     attention_backend: str | None = None
     structured_outputs_backend: str = Field(

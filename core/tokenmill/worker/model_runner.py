@@ -42,8 +42,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
-        self.graphs = (DecodeGraphs(graph_capture, backend, max_graph_batch_size, self.batch.block_table.shape[1])
-                       if graph_capture is not None and max_graph_batch_size > 0 else None)
+        graph_batch = min(max_graph_batch_size, max_num_seqs)
+        self.graphs = (DecodeGraphs(graph_capture, backend, graph_batch, self.batch.block_table.shape[1])
+                       if graph_capture is not None and graph_batch > 0 else None)
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -45,10 +45,16 @@ class StepGraph(Protocol):
 
 
 class StepGraphCapture(Protocol):
-    """The optional platform capability: run ``run`` once and record it, returning the graph
-    and ``run``'s output, which every replay rewrites. Raises StepGraphUnsupported."""
+    """The optional platform capability. ``new_graph_pool``: the memory the graphs of one
+    runner share (they never run at once), sized for ``max_batch_size``;
+    ``capture_step_graph``: run ``run`` (a forward of ``batch_size`` tokens) once and
+    record it, returning the graph and ``run``'s output, which every replay rewrites.
+    Raises StepGraphUnsupported."""
 
-    def capture_step_graph(self, run: Callable[[], torch.Tensor]) -> tuple[StepGraph, torch.Tensor]: ...
+    def new_graph_pool(self, max_batch_size: int) -> object: ...
+
+    def capture_step_graph(self, run: Callable[[], torch.Tensor], pool: object,
+                           batch_size: int) -> tuple[StepGraph, torch.Tensor]: ...
 
 
 @dataclasses.dataclass
@@ -86,6 +92,7 @@ class DecodeGraphs:
         self._backend = backend
         self._max_batch_size = max_batch_size
         self._max_blocks = max_blocks_per_seq
+        self._pool = capture.new_graph_pool(max_batch_size)
         self._graphs: dict[int, _Captured] = {}
         self._eager: set[int] = set()  # batch sizes whose capture failed
 
@@ -93,6 +100,7 @@ class DecodeGraphs:
         """Forget every graph (they hold the KV cache they were captured on)."""
         self._graphs.clear()
         self._eager.clear()
+        self._pool = self._capture.new_graph_pool(self._max_batch_size)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -124,7 +132,8 @@ class DecodeGraphs:
         metadata.backend_data = self._backend.prepare(metadata)
         input_ids, positions = inputs.input_ids.clone(), inputs.positions.clone()
         try:
-            graph, hidden = self._capture.capture_step_graph(lambda: model(input_ids, positions, metadata))
+            graph, hidden = self._capture.capture_step_graph(lambda: model(input_ids, positions, metadata),
+                                                             self._pool, batch)
         except StepGraphUnsupported as exc:
             logger.info("decode batches of %d run eagerly: %s", batch, exc)
             self._eager.add(batch)

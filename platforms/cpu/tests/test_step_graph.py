@@ -15,6 +15,10 @@ from tokenmill_platform_cpu.step_graph import active_kernels, capture_step_graph
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernels")
 
 
+def _pool(max_rows: int = 8):
+    return load_kernels().GraphPool(max_rows)
+
+
 @pytest.fixture(scope="module")
 def ops() -> CpuLayerOps:
     return CpuLayerOps(load_kernels(), packed_budget=1 << 40)
@@ -54,7 +58,7 @@ def test_replay_reruns_every_kernel_on_new_inputs(ops, dtype, rows):
     kernel (bfloat16); each replay must equal the same block run eagerly on the new ids."""
     block = _TinyBlock(ops, dtype)
     ids = torch.arange(rows)
-    graph, out = capture_step_graph(load_kernels(), lambda: block(ids))
+    graph, out = capture_step_graph(load_kernels(), lambda: block(ids), _pool(), rows)
     torch.testing.assert_close(out, block(ids))
     for seed in range(3):
         ids.copy_(torch.randint(0, 100, (rows,), generator=torch.Generator().manual_seed(seed)))
@@ -72,7 +76,7 @@ def test_contiguous_copies_are_replayed(ops):
     def run() -> torch.Tensor:
         return ops.linear(x[:, :64].contiguous(), weight, None, None)
 
-    graph, out = capture_step_graph(load_kernels(), run)
+    graph, out = capture_step_graph(load_kernels(), run, _pool(), 2)
     x.copy_(torch.randn(2, 2 * 64))
     graph.replay()
     torch.testing.assert_close(out, x[:, :64] @ weight.T)
@@ -98,7 +102,7 @@ MASK = torch.ones(2, dtype=torch.bool)
 def test_capture_refuses_what_it_cannot_replay(ops, name, run, reason):
     x, norm = torch.randn(2, 64), torch.ones(64)
     with pytest.raises(StepGraphUnsupported, match=reason.replace(".", r"\.")):
-        capture_step_graph(load_kernels(), lambda: run(ops.rms_norm(x, norm, 1e-6)))
+        capture_step_graph(load_kernels(), lambda: run(ops.rms_norm(x, norm, 1e-6)), _pool(), 2)
 
 
 def test_views_and_allocations_are_allowed(ops):
@@ -111,7 +115,7 @@ def test_views_and_allocations_are_allowed(ops):
         del empty
         return ops.rms_norm(flat, norm, 1e-6)[:, :32].transpose(0, 1)
 
-    graph, out = capture_step_graph(load_kernels(), run)
+    graph, out = capture_step_graph(load_kernels(), run, _pool(), 2)
     x.copy_(torch.randn(2, 4, 16))
     graph.replay()
     torch.testing.assert_close(out, ops.rms_norm(x.view(2, 64), norm, 1e-6)[:, :32].T)
@@ -121,4 +125,22 @@ def test_a_kernel_without_a_graph_form_is_refused():
     kernels = load_kernels()
     logits, temperature, uniform = torch.randn(1, 8), torch.ones(1), torch.rand(1)
     with pytest.raises(StepGraphUnsupported, match="temperature_sample"):
-        capture_step_graph(kernels, lambda: active_kernels(kernels).temperature_sample(logits, temperature, uniform))
+        capture_step_graph(kernels, lambda: active_kernels(kernels).temperature_sample(logits, temperature, uniform),
+                           _pool(), 1)
+
+
+def test_graphs_of_one_pool_share_buffers_and_replay_in_turn(ops):
+    """The graphs of one runner (one per batch size) write into the same pooled buffers:
+    each replay must still give its own batch's result, whichever graph ran before."""
+    pool = _pool(4)
+    block = _TinyBlock(ops, torch.float32)
+    ids = {rows: torch.arange(rows) for rows in (1, 4, 2)}
+    graphs = {rows: capture_step_graph(load_kernels(), lambda rows=rows: block(ids[rows]), pool, rows)
+              for rows in ids}
+    assert len({out.untyped_storage().data_ptr() for _, out in graphs.values()}) == 1
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for rows, (graph, out) in graphs.items():
+            ids[rows].copy_(torch.randint(0, 100, (rows,), generator=generator))
+            graph.replay()
+            torch.testing.assert_close(out, block(ids[rows]))

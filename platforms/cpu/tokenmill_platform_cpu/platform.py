@@ -83,11 +83,16 @@ class CpuPlatform:
         wanted = parse_size(os.environ.get("TOKENMILL_KV_PREFAULT", DEFAULT_KV_PREFAULT))
         return min(wanted, self.kv_cache_bytes(config))
 
-    def capture_step_graph(self, run: Callable[[], torch.Tensor]) -> tuple[CpuStepGraph, torch.Tensor]:
+    def new_graph_pool(self, max_batch_size: int) -> object:
         kernels = load_kernels()
-        if kernels is None:
+        return kernels.GraphPool(max_batch_size) if kernels is not None else None
+
+    def capture_step_graph(self, run: Callable[[], torch.Tensor], pool: object,
+                           batch_size: int) -> tuple[CpuStepGraph, torch.Tensor]:
+        kernels = load_kernels()
+        if kernels is None or pool is None:
             raise StepGraphUnsupported("the CPU kernels are not built")
-        return capture_step_graph(kernels, run)
+        return capture_step_graph(kernels, run, pool, batch_size)
 
     def synchronize(self) -> None:
         pass

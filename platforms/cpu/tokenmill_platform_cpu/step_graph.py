@@ -53,10 +53,12 @@ class CpuStepGraph:
         return len(self._graph)
 
 
-def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor]) -> tuple[CpuStepGraph, torch.Tensor]:
-    """Run ``run`` once, recording its kernel calls; returns the graph and the tensor
+def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor], pool: Any,
+                       rows: int) -> tuple[CpuStepGraph, torch.Tensor]:
+    """Run ``run`` (a forward of ``rows`` tokens) once, recording its kernel calls into
+    buffers from ``pool`` (a ``kernels.GraphPool``); returns the graph and the tensor
     ``run`` returned, which each replay rewrites. Raises StepGraphUnsupported."""
-    recorder = _Recorder(kernels.StepGraph())
+    recorder = _Recorder(kernels.StepGraph(pool, rows))
     token = _recording.set(recorder)
     try:
         with _TorchCallGuard(recorder):

@@ -7,13 +7,21 @@
 // Each method has the name and arguments of the kernel it stands for: while a
 // forward is captured the platform hands this object to the layer ops and the
 // attention backend in place of the kernels module. A method runs its kernel at
-// once (the capture is a real step), into an output it allocates, and keeps a
-// closure that reruns it into that same output. The closures hold their tensors,
-// so inputs, intermediate buffers, weights and caches live as long as the graph;
-// a replay sees whatever the caller wrote into the input tensors since.
+// once (the capture is a real step), into an output buffer, and keeps a closure
+// that reruns it into that same buffer. The closures hold their tensors, so
+// inputs, buffers, weights and caches live as long as the graph; a replay sees
+// whatever the caller wrote into the input tensors since.
+//
+// The graphs of one model runner (one per decode batch size) never run at once,
+// so they share their buffers: the n-th output of every graph is a view of the
+// pool's n-th slot, sized for the largest batch. All batch sizes up to 64 then
+// cost what the graph of 64 alone would (tiny model: ~16 MB) instead of ~30
+// times that.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -31,22 +39,48 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key_cache, c
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping);
 
+class GraphPool {
+ public:
+  explicit GraphPool(int64_t max_rows) : max_rows_(max_rows) {}
+
+  // A buffer of the given shape for a graph of `rows` rows, in the slot of the graph's
+  // index-th output; a slot too small (or of another dtype) is replaced, and graphs
+  // holding the old one keep it.
+  at::Tensor take(size_t index, at::IntArrayRef sizes, const at::TensorOptions& options, int64_t rows) {
+    const int64_t numel = c10::multiply_integers(sizes);
+    if (index >= slots_.size()) slots_.resize(index + 1);
+    auto& slot = slots_[index];
+    if (!slot.defined() || slot.scalar_type() != c10::typeMetaToScalarType(options.dtype()) ||
+        slot.numel() < numel) {
+      const int64_t per_row = rows > 0 ? (numel + rows - 1) / rows : numel;
+      slot = at::empty({std::max(numel, per_row * max_rows_)}, options);
+    }
+    return slot.narrow(0, 0, numel).view(sizes);
+  }
+
+ private:
+  int64_t max_rows_;
+  std::vector<at::Tensor> slots_;
+};
+
 class StepGraph {
  public:
+  StepGraph(std::shared_ptr<GraphPool> pool, int64_t rows) : pool_(std::move(pool)), rows_(rows) {}
+
   at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_linear: x [M, K], weight [N, K]");
-    auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+    auto out = buffer({x.size(0), weight.size(0)}, x.options());
     return record([=]() mutable { small_linear_out(x, weight, bias, out); }, out);
   }
 
   at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(x.dim() == 2, "packed_linear: x [M, K]");
-    auto out = at::empty({x.size(0), n}, x.options());
+    auto out = buffer({x.size(0), n}, x.options());
     return record([=]() mutable { packed_linear_out(x, panels, n, bias, out); }, out);
   }
 
   at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
-    auto out = at::empty(x.sizes(), x.options());
+    auto out = buffer(x.sizes(), x.options());
     return record([=]() mutable { rms_norm_out(x, weight, eps, out); }, out);
   }
 
@@ -58,7 +92,7 @@ class StepGraph {
     TORCH_CHECK(x.dim() >= 1, "silu_and_mul: x must have a last dimension");
     auto sizes = x.sizes().vec();
     sizes.back() /= 2;
-    auto out = at::empty(sizes, x.options());
+    auto out = buffer(sizes, x.options());
     return record([=]() mutable { silu_and_mul_out(x, out); }, out);
   }
 
@@ -70,7 +104,7 @@ class StepGraph {
   at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_table,
                              at::Tensor token_request, at::Tensor token_position, double scale,
                              int64_t sliding_window) {
-    auto out = at::empty(query.sizes(), query.options());
+    auto out = buffer(query.sizes(), query.options());
     return record([=]() mutable {
       paged_attention_out(query, key_cache, value_cache, block_table, token_request, token_position, scale,
                           sliding_window, out);
@@ -85,13 +119,13 @@ class StepGraph {
   // The token embedding lookup (torch's embedding op, which the capture lowers to this).
   at::Tensor embedding(at::Tensor weight, at::Tensor ids) {
     TORCH_CHECK(weight.dim() == 2 && ids.dim() == 1, "embedding: weight [V, H] and ids [T]");
-    auto out = at::empty({ids.size(0), weight.size(1)}, weight.options());
+    auto out = buffer({ids.size(0), weight.size(1)}, weight.options());
     return record([=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
   }
 
   // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
   at::Tensor contiguous(at::Tensor x) {
-    auto out = at::empty(x.sizes(), x.options());
+    auto out = buffer(x.sizes(), x.options());
     return record([=]() mutable { out.copy_(x); }, out);
   }
 
@@ -114,13 +148,22 @@ class StepGraph {
     return out;
   }
 
+  at::Tensor buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return pool_->take(buffers_++, sizes, options, rows_);
+  }
+
+  std::shared_ptr<GraphPool> pool_;
+  int64_t rows_;
+  size_t buffers_ = 0;
   std::vector<std::function<void()>> ops_;
 };
 
 void bind_step_graph(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<GraphPool, std::shared_ptr<GraphPool>>(m, "GraphPool", "Buffers shared by step graphs that never run at once")
+      .def(py::init<int64_t>(), py::arg("max_rows"));
   py::class_<StepGraph>(m, "StepGraph", "Kernel calls recorded as they run, replayed from C++ on the same buffers")
-      .def(py::init<>())
+      .def(py::init<std::shared_ptr<GraphPool>, int64_t>(), py::arg("pool"), py::arg("rows"))
       .def("small_linear", &StepGraph::small_linear)
       .def("packed_linear", &StepGraph::packed_linear)
       .def("rms_norm", &StepGraph::rms_norm)
