@@ -26,8 +26,9 @@ Seed = Annotated[int, typer.Option(help="Engine seed", rich_help_panel=_ENGINE)]
 AttentionBackend = Annotated[str | None, typer.Option(help="Force an attention backend by name", rich_help_panel=_ENGINE)]
 EnforceEager = Annotated[bool, typer.Option(
     "--enforce-eager", help="Run every step eagerly, never through a step graph", rich_help_panel=_ENGINE)]
-MaxGraphBatchSize = Annotated[int, typer.Option(
-    min=0, help="Decode batches of up to this many requests replay a captured step graph", rich_help_panel=_ENGINE)]
+MaxGraphBatchSize = Annotated[int | None, typer.Option(
+    min=0, help="Decode batches of up to this many requests replay a captured step graph [default: 64]",
+    rich_help_panel=_ENGINE)]
 StrictPlugins = Annotated[bool, typer.Option(help="Fail when a plugin cannot be loaded", rich_help_panel=_ENGINE)]
 
 

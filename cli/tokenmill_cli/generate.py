@@ -46,7 +46,7 @@ def generate(
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
     enforce_eager: EnforceEager = False,
-    max_graph_batch_size: MaxGraphBatchSize = 64,
+    max_graph_batch_size: MaxGraphBatchSize = None,
 ) -> None:
     from tokenmill import LLM, SamplingParams, TokenmillError
 

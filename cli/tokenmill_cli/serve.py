@@ -70,7 +70,7 @@ def serve(
     attention_backend: AttentionBackend = None,
     strict_plugins: StrictPlugins = False,
     enforce_eager: EnforceEager = False,
-    max_graph_batch_size: MaxGraphBatchSize = 64,
+    max_graph_batch_size: MaxGraphBatchSize = None,
     request_timeout: Annotated[float | None, typer.Option(
         help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
              "overrides it) [default: none]", rich_help_panel=_OPS)] = None,

@@ -37,17 +37,15 @@ class _TinyBlock:
         self.gate_up = torch.randn(2 * 128, 96, generator=g).to(dtype)
         self.bias = torch.randn(2 * 128, generator=g).to(dtype)
         self.down = torch.randn(96, 128, generator=g).to(dtype)
-        self.prepared = {w: ops.prepare_linear_weight(w) for w in ("proj", "gate_up", "down")
-                         for w in [getattr(self, w)]}
+        self.prepared = {name: ops.prepare_linear_weight(getattr(self, name)) for name in ("proj", "gate_up", "down")}
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        prepared = next((p for w, p in self.prepared.items() if w is weight), None)
-        return self.ops.linear(x, weight, bias, prepared)
+    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.linear(x, getattr(self, name), bias, self.prepared[name])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        residual = self.linear(F.embedding(ids, self.table), self.proj)
+        residual = self.linear(F.embedding(ids, self.table), "proj")
         h = self.ops.rms_norm(residual, self.norm, 1e-6)
-        h = self.linear(self.ops.silu_and_mul(self.linear(h, self.gate_up, self.bias)), self.down)
+        h = self.linear(self.ops.silu_and_mul(self.linear(h, "gate_up", self.bias)), "down")
         return self.ops.add_rms_norm(h, residual, self.norm, 1e-6)
 
 

@@ -15,13 +15,13 @@ import torch
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.layers import register_layer_ops
 from tokenmill.sample.kernels import register_sampling_kernels
-from tokenmill.worker.step_graphs import StepGraphUnsupported
+from tokenmill.worker.step_graphs import StepGraph, StepGraphUnsupported
 from tokenmill_platform_cpu.allocator import keep_freed_memory, retain_bytes
 from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.layer_ops import CpuLayerOps
 from tokenmill_platform_cpu.sampling import CpuSamplingKernels
-from tokenmill_platform_cpu.step_graph import CpuStepGraph, capture_step_graph
+from tokenmill_platform_cpu.step_graph import capture_step_graph
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class CpuPlatform:
         return kernels.GraphPool(max_batch_size) if kernels is not None else None
 
     def capture_step_graph(self, run: Callable[[], torch.Tensor], pool: object,
-                           batch_size: int) -> tuple[CpuStepGraph, torch.Tensor]:
+                           batch_size: int) -> tuple[StepGraph, torch.Tensor]:
         kernels = load_kernels()
         if kernels is None or pool is None:
             raise StepGraphUnsupported("the CPU kernels are not built")

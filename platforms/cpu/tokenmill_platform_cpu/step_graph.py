@@ -42,22 +42,12 @@ def active_kernels(kernels: ModuleType) -> Any:
     return kernels if recorder is None else recorder
 
 
-class CpuStepGraph:
-    def __init__(self, graph: Any) -> None:
-        self._graph = graph
-
-    def replay(self) -> None:
-        self._graph.replay()
-
-    def __len__(self) -> int:
-        return len(self._graph)
-
-
 def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor], pool: Any,
-                       rows: int) -> tuple[CpuStepGraph, torch.Tensor]:
+                       rows: int) -> tuple[Any, torch.Tensor]:
     """Run ``run`` (a forward of ``rows`` tokens) once, recording its kernel calls into
     buffers from ``pool`` (a ``kernels.GraphPool``); returns the graph and the tensor
-    ``run`` returned, which each replay rewrites. Raises StepGraphUnsupported."""
+    ``run`` returned, which each replay rewrites. The graph is the C++ ``StepGraph``
+    (``replay()``, ``len()``). Raises StepGraphUnsupported."""
     recorder = _Recorder(kernels.StepGraph(pool, rows))
     token = _recording.set(recorder)
     try:
@@ -67,7 +57,7 @@ def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor], poo
         _recording.reset(token)
     if not isinstance(out, torch.Tensor):
         raise StepGraphUnsupported(f"the forward returned {type(out).__name__}, not a tensor")
-    return CpuStepGraph(recorder.graph), out
+    return recorder.graph, out
 
 
 class _Recorder:

@@ -141,18 +141,6 @@ void dispatch_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   }
 }
 
-}  // namespace
-
-// The dtypes this build has a vector body for; for the others torch's matmul is the faster choice.
-std::vector<std::string> small_linear_dtypes() {
-  std::vector<std::string> fast;
-  if (has_vector_body<float>()) fast.emplace_back("float32");
-  if (has_vector_body<bf16>()) fast.emplace_back("bfloat16");
-  return fast;
-}
-
-namespace {
-
 void check_small_linear(const at::Tensor& x, const at::Tensor& weight) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
@@ -163,6 +151,14 @@ void check_small_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace
+
+// The dtypes this build has a vector body for; for the others torch's matmul is the faster choice.
+std::vector<std::string> small_linear_dtypes() {
+  std::vector<std::string> fast;
+  if (has_vector_body<float>()) fast.emplace_back("float32");
+  if (has_vector_body<bf16>()) fast.emplace_back("bfloat16");
+  return fast;
+}
 
 // As small_linear, into out [M, N] (contiguous, x's dtype): a step graph replays it on its own buffers.
 void small_linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
