@@ -141,6 +141,24 @@ def test_penalties_change_greedy_output(llm):
     assert len(set(penalised)) >= len(set(plain))
 
 
+def test_repetition_penalty_equals_transformers_over_many_steps(llm, llama_path):
+    """The penalty sees every token generated so far, at every step of a batch whose
+    requests stop one after another (the runner reuses a batch's sampling metadata while
+    its requests stay the same: the token lists in it must be the live ones)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [{"prompt_token_ids": [*PROMPT["prompt_token_ids"][: 6 - i], 5 + i]} for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True, repetition_penalty=1.8)
+              for i in range(3)]
+    outputs = _tokens(llm.generate(prompts, params))
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    for prompt, param, tokens in zip(prompts, params, outputs, strict=True):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        reference = model.generate(ids, do_sample=False, repetition_penalty=1.8, max_new_tokens=param.max_tokens,
+                                   min_new_tokens=param.max_tokens, pad_token_id=0)
+        assert tokens == reference[0, ids.shape[1]:].tolist()
+
+
 def test_embeddings_equal_transformers_hidden_states(llm, llama_path):
     from transformers import AutoModel
 

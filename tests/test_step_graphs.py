@@ -28,6 +28,10 @@ def _engine(path, **options) -> LLM:
     return LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="32MiB", **options)
 
 
+def _runner(llm: LLM):
+    return llm.engine.core.executor.runner
+
+
 def test_sampling_through_graphs_matches_eager(llama_path):
     eager = _engine(llama_path, enforce_eager=True)
     assert eager.engine.core.executor.runner.graphs is None
@@ -52,3 +56,25 @@ def test_a_failed_capture_falls_back_to_eager(llama_path, monkeypatch):
     graphs = llm.engine.core.executor.runner.graphs
     assert graphs.batch_sizes == [1, 2]
     assert graphs.eager_batch_sizes == [3, 4]
+
+
+def test_the_lm_head_runs_inside_the_graph(llama_path):
+    llm = _engine(llama_path)
+    assert _sampled(llm, 3) == _sampled(_engine(llama_path, enforce_eager=True), 3)
+    captured = _runner(llm).graphs._graphs
+    assert sorted(captured) == [1, 2, 3]
+    assert all(graph.logits is not None and graph.logits.shape == (batch, 384) for batch, graph in captured.items())
+
+
+def test_an_lm_head_the_graph_cannot_take_runs_after_it(llama_path, monkeypatch):
+    """Packed weights bounded so that the layers fit but the lm_head (packed last) does not:
+    its matmul of three or more rows goes to torch. The layers are still replayed."""
+    layer_weights = sum(m.weight.numel() * 4 for name, m in _runner(_engine(llama_path)).model.named_modules()
+                        if hasattr(m, "prepared_weight") and name != "lm_head")
+    monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", str(layer_weights))
+    llm = _engine(llama_path)
+    assert _runner(llm).model.lm_head.prepared_weight is None
+    assert _sampled(llm, 4) == _sampled(_engine(llama_path, enforce_eager=True), 4)
+    graphs = _runner(llm).graphs
+    assert graphs.batch_sizes == [1, 2, 3, 4] and graphs.eager_batch_sizes == []
+    assert sorted(batch for batch, graph in graphs._graphs.items() if graph.logits is None) == [3, 4]

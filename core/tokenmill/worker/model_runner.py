@@ -40,6 +40,10 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # The last batched step's rows and their sampling metadata: a function of the rows'
+        # states alone (the output token lists it holds are the states' own, growing in
+        # place), so consecutive steps of the same requests reuse it.
+        self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -77,19 +81,20 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
-        hidden = self._forward(inputs)
+        hidden, token_logits = self._forward(inputs)
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden, output)
         self._pool(inputs, hidden, output)
-        self._sample(inputs, hidden, output, scheduler_output.grammar)
+        self._sample(inputs, hidden, output, scheduler_output.grammar, token_logits)
         return output
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states, and the logits of every token where a step graph computed them too."""
         if self.graphs is not None:
-            hidden = self.graphs.forward(self.model, inputs)
-            if hidden is not None:
-                return hidden
-        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            replayed = self.graphs.forward(self.model, inputs)
+            if replayed is not None:
+                return replayed
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata), None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -134,7 +139,7 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
-                grammar: GrammarBitmask | None = None) -> None:
+                grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
         mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
@@ -142,7 +147,7 @@ class ModelRunner:
         indices = inputs.query_start[1:][mask] - 1
         # Sampling works in float32; converting first also keeps the max below off
         # bfloat16, for which torch's reduction is ~10x slower.
-        logits = self.model.compute_logits(hidden[torch.from_numpy(indices).to(self.device)]).float()
+        logits = _sampled_logits(self.model, hidden, token_logits, indices, self.device).float()
         states = [self.batch.states[r] for r in sample_rows]
         apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
         row_max = logits.amax(dim=-1)  # max propagates NaN: a broken row shows in it
@@ -169,7 +174,7 @@ class ModelRunner:
         take), each row is drawn alone, so only the requests at fault fail, not the step.
         """
         try:
-            result = self.sampler(logits, self._sampling_metadata(states))
+            result = self.sampler(logits, self._batch_sampling_metadata(states))
         except Exception:
             logger.exception("batched sampling failed: drawing row by row to isolate the failing request(s)")
             return [self._draw_one(logits[i : i + 1], state, output) for i, state in enumerate(states)]
@@ -186,6 +191,15 @@ class ModelRunner:
             return None
         lists = result.logprobs.tolists() if result.logprobs is not None else None
         return int(result.sampled_token_ids[0]), lists, 0
+
+    def _batch_sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        last = self._last_sampling
+        if last is not None and len(last[0]) == len(states) and all(
+                a is b for a, b in zip(last[0], states, strict=True)):
+            return last[1]
+        metadata = self._sampling_metadata(states)
+        self._last_sampling = (states, metadata)
+        return metadata
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.from_params(
@@ -231,6 +245,18 @@ class ModelRunner:
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
             if start + int(inputs.num_scheduled[i]) >= num_prompt:
                 output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+
+def _sampled_logits(model: CausalLM, hidden: torch.Tensor, token_logits: torch.Tensor | None,
+                    indices: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The logits of the tokens at ``indices``: from a step graph's logits of every token
+    (all of them, in a decode step where every request samples: no copy), or computed."""
+    if token_logits is not None and len(indices) == len(token_logits):
+        return token_logits  # indices are 0..T-1: one token per request, each sampling
+    rows = torch.from_numpy(indices).to(device)
+    if token_logits is not None:
+        return token_logits[rows]
+    return model.compute_logits(hidden[rows])
 
 
 def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:

@@ -5,8 +5,9 @@ them from Python costs as much as they run (on the CPU ~1 ms of a 7 ms batch-1
 step). A platform that can record a forward's kernel calls (``capture_step_graph``,
 the CPU platform's C++ step graph; CUDA graphs would fit the same seam) lets the
 runner replay them instead: the inputs are copied into the captured tensors, the
-graph reruns every kernel on the same buffers, and the captured output holds the
-hidden states.
+graph reruns every kernel on the same buffers, and the captured outputs hold the
+hidden states and the logits of every token (each request of a decode step samples
+its one token, so the lm_head belongs in the graph too).
 
 Which steps qualify: uniform decode (one new token per request) of at most
 ``max_batch_size`` requests, on an attention backend that declares
@@ -48,19 +49,20 @@ class StepGraphCapture(Protocol):
     """The optional platform capability. ``new_graph_pool``: the memory the graphs of one
     runner share (they never run at once), sized for ``max_batch_size``;
     ``capture_step_graph``: run ``run`` (a forward of ``batch_size`` tokens) once and
-    record it, returning the graph and ``run``'s output, which every replay rewrites.
-    Raises StepGraphUnsupported."""
+    record it, returning the graph and ``run``'s output tensors, which every replay
+    rewrites. Raises StepGraphUnsupported."""
 
     def new_graph_pool(self, max_batch_size: int) -> object: ...
 
-    def capture_step_graph(self, run: Callable[[], torch.Tensor], pool: object,
-                           batch_size: int) -> tuple[StepGraph, torch.Tensor]: ...
+    def capture_step_graph(self, run: Callable[[], tuple[torch.Tensor, ...]], pool: object,
+                           batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]: ...
 
 
 @dataclasses.dataclass
 class _Captured:
     graph: StepGraph
     hidden: torch.Tensor
+    logits: torch.Tensor | None  # of every token, where the lm_head could be captured too
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata  # its tensors are the ones the graph reads
@@ -112,8 +114,9 @@ class DecodeGraphs:
         """The batch sizes whose capture failed."""
         return sorted(self._eager)
 
-    def forward(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's hidden states through a graph, or None: run this step eagerly."""
+    def forward(self, model: CausalLM, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The step's hidden states and logits (of every token; None where the graph ends
+        before the lm_head) through a graph, or None: run this step eagerly."""
         metadata = inputs.metadata
         batch = metadata.num_reqs
         if metadata.num_actual_tokens != batch or batch > self._max_batch_size or batch in self._eager:
@@ -124,24 +127,43 @@ class DecodeGraphs:
         if not captured.load(inputs, metadata.backend_data):
             return None
         captured.graph.replay()
-        return captured.hidden
+        return captured.hidden, captured.logits
 
-    def _capture_step(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor | None:
+    def _capture_step(self, model: CausalLM, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         batch = inputs.metadata.num_reqs
         metadata = _static_metadata(inputs.metadata, self._max_blocks)
         metadata.backend_data = self._backend.prepare(metadata)
         input_ids, positions = inputs.input_ids.clone(), inputs.positions.clone()
-        try:
-            graph, hidden = self._capture.capture_step_graph(lambda: model(input_ids, positions, metadata),
-                                                             self._pool, batch)
-        except StepGraphUnsupported as exc:
-            logger.info("decode batches of %d run eagerly: %s", batch, exc)
+
+        def with_logits() -> tuple[torch.Tensor, ...]:
+            hidden = model(input_ids, positions, metadata)
+            return hidden, model.compute_logits(hidden)
+
+        def forward_only() -> tuple[torch.Tensor, ...]:
+            return (model(input_ids, positions, metadata),)
+
+        # The lm_head alone may be what cannot be captured (a weight left unpacked, say):
+        # the layers still pay off without it. Each try is a whole step; rerunning one
+        # rewrites the same keys and values into the same cache slots.
+        reasons = []
+        for run in (with_logits, forward_only):
+            try:
+                graph, outputs = self._capture.capture_step_graph(run, self._pool, batch)
+                break
+            except StepGraphUnsupported as exc:
+                reasons.append(str(exc))
+        else:
+            logger.info("decode batches of %d run eagerly: %s", batch, reasons[-1])
             self._eager.add(batch)
             return None
+        if reasons:
+            logger.info("the lm_head of decode batches of %d runs outside their graph: %s", batch, reasons[0])
+        hidden, logits = outputs[0], outputs[1] if len(outputs) > 1 else None
         backend_tensors: list[torch.Tensor] = []
         layout = _layout(metadata.backend_data, backend_tensors)
-        self._graphs[batch] = _Captured(graph, hidden, input_ids, positions, metadata, backend_tensors, layout)
-        return hidden
+        self._graphs[batch] = _Captured(graph, hidden, logits, input_ids, positions, metadata, backend_tensors,
+                                        layout)
+        return hidden, logits
 
 
 def _static_metadata(metadata: AttentionMetadata, max_blocks: int) -> AttentionMetadata:

@@ -56,7 +56,7 @@ def test_replay_reruns_every_kernel_on_new_inputs(ops, dtype, rows):
     kernel (bfloat16); each replay must equal the same block run eagerly on the new ids."""
     block = _TinyBlock(ops, dtype)
     ids = torch.arange(rows)
-    graph, out = capture_step_graph(load_kernels(), lambda: block(ids), _pool(), rows)
+    graph, (out,) = capture_step_graph(load_kernels(), lambda: (block(ids),), _pool(), rows)
     torch.testing.assert_close(out, block(ids))
     for seed in range(3):
         ids.copy_(torch.randint(0, 100, (rows,), generator=torch.Generator().manual_seed(seed)))
@@ -65,16 +65,34 @@ def test_replay_reruns_every_kernel_on_new_inputs(ops, dtype, rows):
     assert len(graph) == 7  # embedding, four matmuls, norm, SiLU, add + norm
 
 
+def test_profile_replays_and_times_each_kernel(ops):
+    block = _TinyBlock(ops, torch.float32)
+    ids = torch.arange(2)
+    graph, (out,) = capture_step_graph(load_kernels(), lambda: (block(ids),), _pool(), 2)
+    ids.copy_(torch.tensor([7, 3]))
+    times = graph.profile()
+    torch.testing.assert_close(out, block(ids))  # a profiled replay is a replay
+    assert [name for name, _ in times] == ["embedding", "small_linear", "rms_norm", "small_linear", "silu_and_mul",
+                                           "small_linear", "add_rms_norm_"]
+    assert all(seconds > 0 for _, seconds in times)
+
+
+def test_the_forward_must_return_a_tuple_of_tensors(ops):
+    x, norm = torch.randn(2, 64), torch.ones(64)
+    with pytest.raises(StepGraphUnsupported, match="returned Tensor, not a tuple of tensors"):
+        capture_step_graph(load_kernels(), lambda: ops.rms_norm(x, norm, 1e-6), _pool(), 2)
+
+
 def test_contiguous_copies_are_replayed(ops):
     """The attention backend makes the query contiguous when it is a strided view of the
     fused qkv output (decode batches of two or more): the copy must be redone each replay."""
     x = torch.randn(2, 2 * 64)
     weight = torch.randn(32, 64)
 
-    def run() -> torch.Tensor:
-        return ops.linear(x[:, :64].contiguous(), weight, None, None)
+    def run() -> tuple[torch.Tensor]:
+        return (ops.linear(x[:, :64].contiguous(), weight, None, None),)
 
-    graph, out = capture_step_graph(load_kernels(), run, _pool(), 2)
+    graph, (out,) = capture_step_graph(load_kernels(), run, _pool(), 2)
     x.copy_(torch.randn(2, 2 * 64))
     graph.replay()
     torch.testing.assert_close(out, x[:, :64] @ weight.T)
@@ -100,20 +118,20 @@ MASK = torch.ones(2, dtype=torch.bool)
 def test_capture_refuses_what_it_cannot_replay(ops, name, run, reason):
     x, norm = torch.randn(2, 64), torch.ones(64)
     with pytest.raises(StepGraphUnsupported, match=reason.replace(".", r"\.")):
-        capture_step_graph(load_kernels(), lambda: run(ops.rms_norm(x, norm, 1e-6)), _pool(), 2)
+        capture_step_graph(load_kernels(), lambda: (run(ops.rms_norm(x, norm, 1e-6)),), _pool(), 2)
 
 
 def test_views_and_allocations_are_allowed(ops):
     x, norm = torch.randn(2, 4, 16), torch.ones(64)
 
-    def run() -> torch.Tensor:
+    def run() -> tuple[torch.Tensor]:
         flat = x.view(2, 64).reshape(2, 64)
         assert flat.shape[0] == flat.size(0) == len(flat) and flat.dim() == 2 and flat.is_contiguous()
         empty = torch.empty(3)  # allocated, never read: harmless
         del empty
-        return ops.rms_norm(flat, norm, 1e-6)[:, :32].transpose(0, 1)
+        return (ops.rms_norm(flat, norm, 1e-6)[:, :32].transpose(0, 1),)
 
-    graph, out = capture_step_graph(load_kernels(), run, _pool(), 2)
+    graph, (out,) = capture_step_graph(load_kernels(), run, _pool(), 2)
     x.copy_(torch.randn(2, 4, 16))
     graph.replay()
     torch.testing.assert_close(out, ops.rms_norm(x.view(2, 64), norm, 1e-6)[:, :32].T)
@@ -123,7 +141,7 @@ def test_a_kernel_without_a_graph_form_is_refused():
     kernels = load_kernels()
     logits, temperature, uniform = torch.randn(1, 8), torch.ones(1), torch.rand(1)
     with pytest.raises(StepGraphUnsupported, match="temperature_sample"):
-        capture_step_graph(kernels, lambda: active_kernels(kernels).temperature_sample(logits, temperature, uniform),
+        capture_step_graph(kernels, lambda: (active_kernels(kernels).temperature_sample(logits, temperature, uniform),),
                            _pool(), 1)
 
 
@@ -133,12 +151,12 @@ def test_graphs_of_one_pool_share_buffers_and_replay_in_turn(ops):
     pool = _pool(4)
     block = _TinyBlock(ops, torch.float32)
     ids = {rows: torch.arange(rows) for rows in (1, 4, 2)}
-    graphs = {rows: capture_step_graph(load_kernels(), lambda rows=rows: block(ids[rows]), pool, rows)
+    graphs = {rows: capture_step_graph(load_kernels(), lambda rows=rows: (block(ids[rows]),), pool, rows)
               for rows in ids}
-    assert len({out.untyped_storage().data_ptr() for _, out in graphs.values()}) == 1
+    assert len({out.untyped_storage().data_ptr() for _, (out,) in graphs.values()}) == 1
     generator = torch.Generator().manual_seed(3)
     for _ in range(3):
-        for rows, (graph, out) in graphs.items():
+        for rows, (graph, (out,)) in graphs.items():
             ids[rows].copy_(torch.randint(0, 100, (rows,), generator=generator))
             graph.replay()
             torch.testing.assert_close(out, block(ids[rows]))

@@ -87,8 +87,8 @@ class CpuPlatform:
         kernels = load_kernels()
         return kernels.GraphPool(max_batch_size) if kernels is not None else None
 
-    def capture_step_graph(self, run: Callable[[], torch.Tensor], pool: object,
-                           batch_size: int) -> tuple[StepGraph, torch.Tensor]:
+    def capture_step_graph(self, run: Callable[[], tuple[torch.Tensor, ...]], pool: object,
+                           batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]:
         kernels = load_kernels()
         if kernels is None or pool is None:
             raise StepGraphUnsupported("the CPU kernels are not built")

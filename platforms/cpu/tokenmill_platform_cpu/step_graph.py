@@ -42,10 +42,10 @@ def active_kernels(kernels: ModuleType) -> Any:
     return kernels if recorder is None else recorder
 
 
-def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor], pool: Any,
-                       rows: int) -> tuple[Any, torch.Tensor]:
+def capture_step_graph(kernels: ModuleType, run: Callable[[], tuple[torch.Tensor, ...]], pool: Any,
+                       rows: int) -> tuple[Any, tuple[torch.Tensor, ...]]:
     """Run ``run`` (a forward of ``rows`` tokens) once, recording its kernel calls into
-    buffers from ``pool`` (a ``kernels.GraphPool``); returns the graph and the tensor
+    buffers from ``pool`` (a ``kernels.GraphPool``); returns the graph and the tensors
     ``run`` returned, which each replay rewrites. The graph is the C++ ``StepGraph``
     (``replay()``, ``len()``). Raises StepGraphUnsupported."""
     recorder = _Recorder(kernels.StepGraph(pool, rows))
@@ -55,8 +55,8 @@ def capture_step_graph(kernels: ModuleType, run: Callable[[], torch.Tensor], poo
             out = run()
     finally:
         _recording.reset(token)
-    if not isinstance(out, torch.Tensor):
-        raise StepGraphUnsupported(f"the forward returned {type(out).__name__}, not a tensor")
+    if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) for t in out):
+        raise StepGraphUnsupported(f"the forward returned {type(out).__name__}, not a tuple of tensors")
     return recorder.graph, out
 
 

@@ -20,8 +20,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -70,22 +72,22 @@ class StepGraph {
   at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_linear: x [M, K], weight [N, K]");
     auto out = buffer({x.size(0), weight.size(0)}, x.options());
-    return record([=]() mutable { small_linear_out(x, weight, bias, out); }, out);
+    return record("small_linear", [=]() mutable { small_linear_out(x, weight, bias, out); }, out);
   }
 
   at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(x.dim() == 2, "packed_linear: x [M, K]");
     auto out = buffer({x.size(0), n}, x.options());
-    return record([=]() mutable { packed_linear_out(x, panels, n, bias, out); }, out);
+    return record("packed_linear", [=]() mutable { packed_linear_out(x, panels, n, bias, out); }, out);
   }
 
   at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
     auto out = buffer(x.sizes(), x.options());
-    return record([=]() mutable { rms_norm_out(x, weight, eps, out); }, out);
+    return record("rms_norm", [=]() mutable { rms_norm_out(x, weight, eps, out); }, out);
   }
 
   at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-    return record([=]() { ::add_rms_norm_(x, residual, weight, eps); }, x);
+    return record("add_rms_norm_", [=]() { ::add_rms_norm_(x, residual, weight, eps); }, x);
   }
 
   at::Tensor silu_and_mul(at::Tensor x) {
@@ -93,19 +95,19 @@ class StepGraph {
     auto sizes = x.sizes().vec();
     sizes.back() /= 2;
     auto out = buffer(sizes, x.options());
-    return record([=]() mutable { silu_and_mul_out(x, out); }, out);
+    return record("silu_and_mul", [=]() mutable { silu_and_mul_out(x, out); }, out);
   }
 
   void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                          at::Tensor sin_cache) {
-    record([=]() { ::rotary_embedding_(positions, q, k, cos_cache, sin_cache); });
+    record("rotary_embedding_", [=]() { ::rotary_embedding_(positions, q, k, cos_cache, sin_cache); });
   }
 
   at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_table,
                              at::Tensor token_request, at::Tensor token_position, double scale,
                              int64_t sliding_window) {
     auto out = buffer(query.sizes(), query.options());
-    return record([=]() mutable {
+    return record("paged_attention", [=]() mutable {
       paged_attention_out(query, key_cache, value_cache, block_table, token_request, token_position, scale,
                           sliding_window, out);
     }, out);
@@ -113,38 +115,52 @@ class StepGraph {
 
   void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor slot_mapping) {
-    record([=]() { ::write_kv_cache(key, value, key_cache, value_cache, slot_mapping); });
+    record("write_kv_cache", [=]() { ::write_kv_cache(key, value, key_cache, value_cache, slot_mapping); });
   }
 
   // The token embedding lookup (torch's embedding op, which the capture lowers to this).
   at::Tensor embedding(at::Tensor weight, at::Tensor ids) {
     TORCH_CHECK(weight.dim() == 2 && ids.dim() == 1, "embedding: weight [V, H] and ids [T]");
     auto out = buffer({ids.size(0), weight.size(1)}, weight.options());
-    return record([=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
+    return record("embedding", [=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
   }
 
   // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
   at::Tensor contiguous(at::Tensor x) {
     auto out = buffer(x.sizes(), x.options());
-    return record([=]() mutable { out.copy_(x); }, out);
+    return record("contiguous", [=]() mutable { out.copy_(x); }, out);
   }
 
   void replay() {
     for (auto& op : ops_) op();
   }
 
+  // One replay, timing each call: (kernel name, seconds) in order. For finding where a step's time goes.
+  std::vector<std::pair<std::string, double>> profile() {
+    std::vector<std::pair<std::string, double>> times;
+    times.reserve(ops_.size());
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      ops_[i]();
+      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+      times.emplace_back(names_[i], elapsed.count());
+    }
+    return times;
+  }
+
   int64_t size() const { return static_cast<int64_t>(ops_.size()); }
 
  private:
   template <typename Op>
-  void record(Op op) {
+  void record(const char* name, Op op) {
     op();
     ops_.emplace_back(std::move(op));
+    names_.emplace_back(name);
   }
 
   template <typename Op>
-  at::Tensor record(Op op, at::Tensor out) {
-    record(std::move(op));
+  at::Tensor record(const char* name, Op op, at::Tensor out) {
+    record(name, std::move(op));
     return out;
   }
 
@@ -156,6 +172,7 @@ class StepGraph {
   int64_t rows_;
   size_t buffers_ = 0;
   std::vector<std::function<void()>> ops_;
+  std::vector<std::string> names_;  // each op's kernel, for profile()
 };
 
 void bind_step_graph(pybind11::module& m) {
@@ -175,5 +192,6 @@ void bind_step_graph(pybind11::module& m) {
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("replay", &StepGraph::replay, py::call_guard<py::gil_scoped_release>())
+      .def("profile", &StepGraph::profile, py::call_guard<py::gil_scoped_release>())
       .def("__len__", &StepGraph::size);
 }
