@@ -55,3 +55,36 @@ def test_only_written_pages_are_resident_and_freeing_returns_them():
     del cache
     gc.collect()
     assert _resident_bytes_of_mapping(address, length) < 1 << 20  # unmapped (a small mapping may reuse the range)
+
+
+def _thp_mode() -> str | None:
+    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled, or None without THP."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _anon_huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: "start-end perms ..."
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this kernel")
+def test_huge_pages_back_the_cache_where_the_os_has_them():
+    cache = lazy_zeros((8, 1 << 20), torch.float32, huge_pages=True)  # 32 MiB
+    assert cache.data_ptr() % (2 << 20) == 0 and cache.shape == (8, 1 << 20)
+    assert _resident_bytes_of_mapping(cache.data_ptr(), cache.nbytes) == 0  # still lazy
+    cache[:2] = 1.0  # 8 MiB written
+    assert _anon_huge_bytes_at(cache.data_ptr()) >= 4 << 20  # the kernel may fall back to small pages for some
+    assert float(cache.sum()) == 2 * (1 << 20)  # the rest reads as zeros

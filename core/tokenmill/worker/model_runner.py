@@ -274,10 +274,10 @@ def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV tensor; on the CPU resident only where written (see host_memory)."""
+    """A zero-filled KV tensor; on the CPU resident only where written, on huge pages (see host_memory)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return lazy_zeros(shape, dtype)
+    return lazy_zeros(shape, dtype, huge_pages=True)
 
 
 def _token_logprobs(lists: Any, index: int, num_logprobs: int) -> TokenLogprobs:
