@@ -3,8 +3,10 @@
     python scripts/profile_step.py bench-models/tiny --batch-size 64
     python scripts/profile_step.py MODEL --batch-size 1 --dtype bfloat16   # on a GPU
 
-Prints wall ms per decode step and the top operators by self CPU time (and by
-device time on CUDA). The output is for reading, not asserting.
+Prints wall ms per decode step, the top operators by self CPU time (and by
+device time on CUDA), and, where decode steps replay step graphs (the CPU
+platform's), the time of each kernel inside them, which the torch profiler sees
+as one opaque call. The output is for reading, not asserting.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.worker.step_graphs import KernelProfile
 
 
 def main() -> None:
@@ -49,6 +52,25 @@ def main() -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if cuda:
         print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    _print_graph_kernels(llm, args, params)
+
+
+def _print_graph_kernels(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> None:
+    graphs = getattr(getattr(llm.engine.core.executor, "runner", None), "graphs", None)
+    if graphs is None:
+        return
+    graphs.kernel_profile = profile = KernelProfile()
+    llm.generate(_prompts(args, seed=3), params, use_tqdm=False)
+    graphs.kernel_profile = None
+    if not profile.steps:
+        print("no decode step replayed a graph that times its kernels")
+        return
+    total = sum(profile.seconds.values())
+    print(f"step graphs: {profile.steps} replays, {total / profile.steps * 1e3:.3f} ms of kernels per replay")
+    for name, seconds in sorted(profile.seconds.items(), key=lambda item: -item[1]):
+        calls = profile.calls[name]
+        print(f"  {name:20s} {seconds / profile.steps * 1e3:8.3f} ms/replay  {calls / profile.steps:5.0f} calls"
+              f"  {seconds / calls * 1e6:9.1f} us/call  {seconds / total:6.1%}")
 
 
 def _prompts(args: argparse.Namespace, seed: int) -> list[dict]:

@@ -78,3 +78,21 @@ def test_an_lm_head_the_graph_cannot_take_runs_after_it(llama_path, monkeypatch)
     graphs = _runner(llm).graphs
     assert graphs.batch_sizes == [1, 2, 3, 4] and graphs.eager_batch_sizes == []
     assert sorted(batch for batch, graph in graphs._graphs.items() if graph.logits is None) == [3, 4]
+
+
+def test_a_kernel_profile_times_every_replayed_kernel(llama_path):
+    from tokenmill.worker.step_graphs import KernelProfile
+
+    llm = _engine(llama_path)
+    graphs = _runner(llm).graphs
+    graphs.kernel_profile = profile = KernelProfile()
+    profiled = _sampled(llm, 2)
+    graphs.kernel_profile = None
+    assert profiled == _sampled(_engine(llama_path, enforce_eager=True), 2)  # profiled replays are replays
+    # 6 and 9 tokens, the first from the prompt step: 5 decode steps of 2 requests, then 3 of
+    # one; the first step of each batch size is its capture, the others replays
+    assert profile.steps == (5 - 1) + (3 - 1)
+    layers = _runner(llm).model.config.num_hidden_layers
+    assert profile.calls["paged_attention"] == layers * profile.steps
+    assert profile.calls["small_linear"] == (4 * layers + 1) * profile.steps  # qkv, o, gate_up, down; lm_head
+    assert all(seconds > 0 for seconds in profile.seconds.values())

@@ -45,6 +45,23 @@ class StepGraph(Protocol):
     def replay(self) -> None: ...
 
 
+@dataclasses.dataclass
+class KernelProfile:
+    """Seconds and calls per kernel over the profiled replays (``DecodeGraphs.kernel_profile``),
+    from graphs that can time their kernels (an optional ``profile()`` returning (name,
+    seconds) per call, in order, as the CPU platform's do)."""
+
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+
+    def add(self, times: list[tuple[str, float]]) -> None:
+        for name, seconds in times:
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self.calls[name] = self.calls.get(name, 0) + 1
+        self.steps += 1
+
+
 class StepGraphCapture(Protocol):
     """The optional platform capability. ``new_graph_pool``: the memory the graphs of one
     runner share (they never run at once), sized for ``max_batch_size``;
@@ -97,6 +114,8 @@ class DecodeGraphs:
         self._pool = capture.new_graph_pool(max_batch_size)
         self._graphs: dict[int, _Captured] = {}
         self._eager: set[int] = set()  # batch sizes whose capture failed
+        # Set to time each kernel of every replay (scripts/profile_step.py); off by default.
+        self.kernel_profile: KernelProfile | None = None
 
     def clear(self) -> None:
         """Forget every graph (they hold the KV cache they were captured on)."""
@@ -126,7 +145,11 @@ class DecodeGraphs:
             return self._capture_step(model, inputs)
         if not captured.load(inputs, metadata.backend_data):
             return None
-        captured.graph.replay()
+        profile = getattr(captured.graph, "profile", None) if self.kernel_profile is not None else None
+        if profile is not None and self.kernel_profile is not None:
+            self.kernel_profile.add(profile())
+        else:
+            captured.graph.replay()
         return captured.hidden, captured.logits
 
     def _capture_step(self, model: CausalLM, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
