@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill_platform_cpu.kernels import kernels_available
@@ -47,15 +48,23 @@ def test_batches_past_the_limit_run_eagerly(llama_path):
     assert _engine(llama_path, max_graph_batch_size=0).engine.core.executor.runner.graphs is None
 
 
-def test_a_failed_capture_falls_back_to_eager(llama_path, monkeypatch):
-    """Without packed weights, float32 matmuls of three or more rows go to torch, which a
-    step graph cannot replay: those batch sizes run eagerly, the rest through graphs."""
+def test_unpacked_weights_are_replayed_through_torch_linear(llama_path, monkeypatch):
+    """Without packed weights, float32 matmuls of three or more rows go to torch's linear,
+    which the capture records as a graph op: every batch size still gets a graph."""
     monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", "0")
     llm = _engine(llama_path)
     assert _sampled(llm, 4) == _sampled(_engine(llama_path, enforce_eager=True), 4)
-    graphs = llm.engine.core.executor.runner.graphs
-    assert graphs.batch_sizes == [1, 2]
-    assert graphs.eager_batch_sizes == [3, 4]
+    graphs = _runner(llm).graphs
+    assert graphs.batch_sizes == [1, 2, 3, 4] and graphs.eager_batch_sizes == []
+
+
+def test_a_failed_capture_falls_back_to_eager(fault_model_path):
+    """The fault-injection model looks for its poison tokens with torch calls in its
+    forward, which a step graph cannot replay: every decode batch runs eagerly."""
+    llm = _engine(fault_model_path)
+    assert _sampled(llm, 3) == _sampled(_engine(fault_model_path, enforce_eager=True), 3)
+    graphs = _runner(llm).graphs
+    assert graphs.batch_sizes == [] and graphs.eager_batch_sizes == [1, 2, 3]
 
 
 def test_the_lm_head_runs_inside_the_graph(llama_path):
@@ -66,18 +75,22 @@ def test_the_lm_head_runs_inside_the_graph(llama_path):
     assert all(graph.logits is not None and graph.logits.shape == (batch, 384) for batch, graph in captured.items())
 
 
-def test_an_lm_head_the_graph_cannot_take_runs_after_it(llama_path, monkeypatch):
-    """Packed weights bounded so that the layers fit but the lm_head (packed last) does not:
-    its matmul of three or more rows goes to torch. The layers are still replayed."""
-    layer_weights = sum(m.weight.numel() * 4 for name, m in _runner(_engine(llama_path)).model.named_modules()
-                        if hasattr(m, "prepared_weight") and name != "lm_head")
-    monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", str(layer_weights))
-    llm = _engine(llama_path)
-    assert _runner(llm).model.lm_head.prepared_weight is None
-    assert _sampled(llm, 4) == _sampled(_engine(llama_path, enforce_eager=True), 4)
+def _soft_capped(model, cap: float = 3.0) -> None:
+    """Logit soft-capping (Gemma 2's ``cap * tanh(logits / cap)``), computed in torch
+    after the lm_head: a compute_logits a step graph cannot take."""
+    lm_head = model.compute_logits
+    model.compute_logits = lambda hidden: torch.tanh(lm_head(hidden) / cap) * cap
+
+
+def test_an_lm_head_the_graph_cannot_take_runs_after_it(llama_path):
+    """The layers are still replayed; the logits are computed from the graph's hidden states."""
+    llm, eager = _engine(llama_path), _engine(llama_path, enforce_eager=True)
+    for engine in (llm, eager):
+        _soft_capped(_runner(engine).model)
+    assert _sampled(llm, 3) == _sampled(eager, 3) != _sampled(_engine(llama_path), 3)
     graphs = _runner(llm).graphs
-    assert graphs.batch_sizes == [1, 2, 3, 4] and graphs.eager_batch_sizes == []
-    assert sorted(batch for batch, graph in graphs._graphs.items() if graph.logits is None) == [3, 4]
+    assert graphs.batch_sizes == [1, 2, 3] and graphs.eager_batch_sizes == []
+    assert all(graph.logits is None for graph in graphs._graphs.values())
 
 
 def test_a_kernel_profile_times_every_replayed_kernel(llama_path):

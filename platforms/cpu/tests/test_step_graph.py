@@ -83,6 +83,25 @@ def test_the_forward_must_return_a_tuple_of_tensors(ops):
         capture_step_graph(load_kernels(), lambda: ops.rms_norm(x, norm, 1e-6), _pool(), 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_linear_is_lowered_to_a_graph_op(ops, dtype):
+    """Matmuls the kernels do not take (bfloat16 past six rows, float32 on unpacked weights)
+    go to torch's linear, which the capture records as a graph op of its own."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=g).to(dtype)
+    weight, bias = torch.randn(48, 64, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.linear(x, weight, bias, None), F.linear(x[:8], weight, bias=bias)  # bias by keyword too
+
+    graph, (out, half) = capture_step_graph(load_kernels(), run, _pool(16), 16)
+    x.copy_(torch.randn(16, 64, generator=g).to(dtype))
+    graph.replay()
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    torch.testing.assert_close(half, F.linear(x[:8], weight, bias))
+    assert [name for name, _ in graph.profile()] == ["linear", "linear"]
+
+
 def test_contiguous_copies_are_replayed(ops):
     """The attention backend makes the query contiguous when it is a strided view of the
     fused qkv output (decode batches of two or more): the copy must be redone each replay."""
@@ -111,7 +130,7 @@ MASK = torch.ones(2, dtype=torch.bool)
     ("item assignment", lambda x: x.__setitem__(0, 1.0), "__setitem__ writes"),
     ("out= argument", lambda x: torch.mul(x, 2, out=x), "mul writes"),
     ("value read into Python", lambda x: x[0, 0].item(), "item reads a value outside the kernels"),
-    ("torch matmul", lambda x: F.linear(x, WEIGHT), "linear computes outside the kernels"),
+    ("torch matmul", lambda x: torch.matmul(x, WEIGHT.T), "matmul computes outside the kernels"),
     ("a new tensor of values", lambda x: torch.ones(2), "ones computes outside the kernels"),
     ("advanced indexing", lambda x: x[INDEX], "__getitem__ computes"),
 ])

@@ -5,9 +5,10 @@ backend the graph in place of the kernels module, so every kernel call both runs
 and is recorded. Whatever else the forward does goes through torch, and a torch
 call would not be replayed, so a torch function mode watches them all: allocations,
 views (outputs that alias an input) and metadata (shapes, strides) are safe, the
-token embedding and contiguous copies are lowered to graph ops, and anything else
-(a matmul torch runs, an in-place op, a value read back into Python) makes the
-capture fail with the call's name; the model runner then runs that batch size
+token embedding, torch's linear (matmuls the kernels do not take) and contiguous
+copies are lowered to graph ops, and anything else (another computation, an
+in-place op, a value read back into Python) makes the capture fail with the call's
+name; the model runner then runs that batch size
 eagerly. A failed capture has only run the step's own kernels
 (its K/V writes included), so running the step again eagerly is harmless.
 """
@@ -87,6 +88,8 @@ class _TorchCallGuard(TorchFunctionMode):
         name = getattr(func, "__name__", repr(func))
         if func is F.embedding and _plain_embedding(args, kwargs):
             return self._recorder.embedding(args[1], args[0])
+        if func is F.linear:
+            return self._recorder.linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
         if name == "contiguous" and args[0].is_contiguous():
             return args[0]
         if name in ("contiguous", "clone"):  # clone: always a copy

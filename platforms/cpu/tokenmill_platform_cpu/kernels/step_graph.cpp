@@ -125,6 +125,16 @@ class StepGraph {
     return record("embedding", [=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
   }
 
+  // torch's linear (which the capture lowers to this): matmuls the kernels above do not
+  // take, such as bfloat16 decode batches past six rows, which torch runs on oneDNN.
+  at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2, "linear: x [..., K], weight [N, K]");
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    auto out = buffer(sizes, x.options());
+    return record("linear", [=]() mutable { at::linear_out(out, x, weight, bias); }, out);
+  }
+
   // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
   at::Tensor contiguous(at::Tensor x) {
     auto out = buffer(x.sizes(), x.options());
@@ -191,6 +201,7 @@ void bind_step_graph(pybind11::module& m) {
       .def("write_kv_cache", &StepGraph::write_kv_cache)
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
+      .def("linear", &StepGraph::linear)
       .def("replay", &StepGraph::replay, py::call_guard<py::gil_scoped_release>())
       .def("profile", &StepGraph::profile, py::call_guard<py::gil_scoped_release>())
       .def("__len__", &StepGraph::size);
