@@ -41,8 +41,11 @@ def build_step_inputs(batch: InputBatch, num_scheduled_by_id: dict[str, int], de
     seq_lens = context_lens + counts
     max_blocks = int(-(-seq_lens.max() // block_size))
 
+    on_host = device.type == "cpu"
+
     def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if on_host else tensor.to(device, non_blocking=True)  # a no-op .to() still dispatches
 
     metadata = AttentionMetadata(
         num_reqs=len(rows),
