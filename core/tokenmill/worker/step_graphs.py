@@ -129,6 +129,11 @@ class DecodeGraphs:
         return sorted(self._graphs)
 
     @property
+    def lm_head_batch_sizes(self) -> list[int]:
+        """The batch sizes whose graph runs the lm_head too."""
+        return sorted(batch for batch, captured in self._graphs.items() if captured.logits is not None)
+
+    @property
     def eager_batch_sizes(self) -> list[int]:
         """The batch sizes whose capture failed."""
         return sorted(self._eager)
