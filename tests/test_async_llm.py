@@ -87,3 +87,40 @@ def test_bad_input_raises_at_once_and_engine_goes_on(engine):
         return await _collect(engine, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, ignore_eos=True))
 
     assert asyncio.run(run())[-1].finished
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(llama_path, monkeypatch):
+    """On the CPU, torch's OpenMP runtime keeps a worker team per thread that starts parallel
+    work; a model loaded on one thread and stepped on another made two teams on two cores,
+    and their workers slept between kernels (decode 1.5-1.8x slower)."""
+    import threading
+
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.worker.model_runner import ModelRunner
+
+    threads: dict[str, set[str]] = {"built": set(), "stepped": set()}
+    build, step = LLMEngine.__init__, ModelRunner.execute_model
+
+    def built_here(self, *args, **kwargs):
+        threads["built"].add(threading.current_thread().name)
+        build(self, *args, **kwargs)
+
+    def stepped_here(self, *args, **kwargs):
+        threads["stepped"].add(threading.current_thread().name)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "__init__", built_here)
+    monkeypatch.setattr(ModelRunner, "execute_model", stepped_here)
+    engine = AsyncLLM(str(llama_path), max_model_len=128, kv_cache_memory="16MiB")
+    try:
+        asyncio.run(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3)))
+    finally:
+        engine.shutdown()
+    assert threads == {"built": {"tokenmill-engine"}, "stepped": {"tokenmill-engine"}}
+
+
+def test_an_engine_that_cannot_be_built_raises_from_the_constructor(tmp_path):
+    from tokenmill.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        AsyncLLM(str(tmp_path / "no-such-model"), max_model_len=128)

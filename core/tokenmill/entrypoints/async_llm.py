@@ -78,14 +78,15 @@ class AsyncLLM:
     ``stat_loggers`` receive the engine's statistics after every step (in the
     engine thread); ``max_queued_requests`` / ``max_queued_tokens`` bound the
     requests waiting for their first token (see :mod:`tokenmill.entrypoints.admission`).
+    The engine is built, and stepped, on its own thread (see ``_run``).
     """
+
+    engine: LLMEngine
 
     def __init__(self, model: str | None = None, *, stat_loggers: Sequence[StatLogger] | None = None,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, stat_loggers=list(stat_loggers or []))
-        self.tokenizer = self.engine.tokenizer
         self.admission = AdmissionQueue(AdmissionLimits(max_queued_requests, max_queued_tokens))
         self._commands: queue.SimpleQueue[tuple[str, Any, Future[Any]]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -95,10 +96,14 @@ class AsyncLLM:
         self._stopping = threading.Event()
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "add": self._add, "abort": self._abort, "abort_all": self._abort_all,
-            "stat_logger": self.engine.stat_loggers.append,
+            "stat_logger": lambda stat_logger: self.engine.stat_loggers.append(stat_logger),
         }
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        built: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, args=(built, list(stat_loggers or [])),
+                                        name="tokenmill-engine", daemon=True)
         self._thread.start()
+        built.result()  # the engine thread has set self.engine; raises what building it raised
+        self.tokenizer = self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -206,7 +211,18 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {_describe(self._dead)}")
 
-    def _run(self) -> None:
+    def _run(self, built: Future[None], stat_loggers: list[StatLogger]) -> None:
+        # The engine is built on the thread that then runs every step. On the CPU, torch's
+        # OpenMP runtime (libgomp) keeps a team of worker threads for each thread that starts
+        # parallel work, and once there are more of them than cores it stops spinning between
+        # parallel regions and sleeps instead: a model loaded on one thread and stepped on
+        # another decoded 1.5-1.8x slower (docs/benchmarks.md).
+        try:
+            self.engine = LLMEngine(self.config, stat_loggers=stat_loggers)
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(None)
         try:
             while not self._stopping.is_set():
                 self._heartbeat = time.monotonic()
