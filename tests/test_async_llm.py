@@ -89,7 +89,7 @@ def test_bad_input_raises_at_once_and_engine_goes_on(engine):
     assert asyncio.run(run())[-1].finished
 
 
-def test_the_engine_is_built_and_stepped_on_its_own_thread(llama_path, monkeypatch):
+def test_the_engine_is_built_and_stepped_on_its_own_thread(llama_path, monkeypatch, caplog):
     """On the CPU, torch's OpenMP runtime keeps a worker team per thread that starts parallel
     work; a model loaded on one thread and stepped on another made two teams on two cores,
     and their workers slept between kernels (decode 1.5-1.8x slower)."""
@@ -117,6 +117,7 @@ def test_the_engine_is_built_and_stepped_on_its_own_thread(llama_path, monkeypat
     finally:
         engine.shutdown()
     assert threads == {"built": {"tokenmill-engine"}, "stepped": {"tokenmill-engine"}}
+    assert "stepped on thread" not in caplog.text
 
 
 def test_an_engine_that_cannot_be_built_raises_from_the_constructor(tmp_path):
@@ -124,3 +125,18 @@ def test_an_engine_that_cannot_be_built_raises_from_the_constructor(tmp_path):
 
     with pytest.raises(ModelNotFoundError):
         AsyncLLM(str(tmp_path / "no-such-model"), max_model_len=128)
+
+
+def test_stepping_an_offline_engine_from_another_thread_warns_once(llama_path, caplog):
+    import threading
+
+    llm = LLM(str(llama_path), max_model_len=128, kv_cache_memory="16MiB")
+    params = SamplingParams(max_tokens=3)
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    assert "stepped on thread" not in caplog.text
+    for _ in range(2):
+        worker = threading.Thread(target=llm.generate, args=({"prompt_token_ids": [5, 6, 7]}, params))
+        worker.start()
+        worker.join()
+    assert caplog.text.count("stepped on thread") == 1
+    assert "build the LLM on the thread that generates with it" in caplog.text

@@ -4,6 +4,7 @@ and one ``step()`` that moves every running request forward."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -56,6 +57,8 @@ class EngineCore:
             policy=config.scheduling_policy,
         ), self.kv_manager, self.structured_output)
         self.last_num_scheduled_tokens = 0
+        self._building_thread = threading.get_ident()
+        self._warned_thread = False
 
     def _init_kv_cache(self) -> int:
         per_block = self.executor.kv_bytes_per_block()
@@ -85,12 +88,25 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests
 
     def step(self) -> list[EngineCoreOutput]:
+        if not self._warned_thread and threading.get_ident() != self._building_thread:
+            self._warn_other_thread()
         scheduler_output = self.scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty and self.structured_output.num_pending:
             self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _warn_other_thread(self) -> None:
+        """Once, where the platform's compute threads belong to the thread that started them
+        (``thread_affine``: the CPU's OpenMP teams), stepping from another thread is slow."""
+        self._warned_thread = True
+        if getattr(self.platform, "thread_affine", False):
+            logger.warning(
+                "the engine was built on thread %s and is stepped on thread %s: on the %s platform its "
+                "compute threads belong to the building thread, and decoding runs 1.5-1.8x slower this way; "
+                "build the LLM on the thread that generates with it (docs/operations.md)",
+                self._building_thread, threading.get_ident(), self.platform.name)
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
