@@ -150,9 +150,8 @@ class DecodeGraphs:
             return self._capture_step(model, inputs)
         if not captured.load(inputs, metadata.backend_data):
             return None
-        profile = getattr(captured.graph, "profile", None) if self.kernel_profile is not None else None
-        if profile is not None and self.kernel_profile is not None:
-            self.kernel_profile.add(profile())
+        if self.kernel_profile is not None and (timed_replay := getattr(captured.graph, "profile", None)):
+            self.kernel_profile.add(timed_replay())
         else:
             captured.graph.replay()
         return captured.hidden, captured.logits
@@ -170,8 +169,8 @@ class DecodeGraphs:
         def forward_only() -> tuple[torch.Tensor, ...]:
             return (model(input_ids, positions, metadata),)
 
-        # The lm_head alone may be what cannot be captured (a weight left unpacked, say):
-        # the layers still pay off without it. Each try is a whole step; rerunning one
+        # The lm_head alone may be what cannot be captured (a compute_logits that computes
+        # in torch, such as a logit soft-cap): the layers still pay off without it. Each try is a whole step; rerunning one
         # rewrites the same keys and values into the same cache slots.
         reasons = []
         for run in (with_logits, forward_only):
