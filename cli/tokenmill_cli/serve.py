@@ -25,10 +25,19 @@ from tokenmill_cli.engine_options import (
     StrictPlugins,
     engine_kwargs,
 )
+from tokenmill_cli.server_options import (
+    DisableLogStats,
+    DisableMetrics,
+    HealthStallTimeout,
+    LogStatsInterval,
+    MaxQueuedRequests,
+    MaxQueuedTokens,
+    RequestTimeout,
+    ShutdownTimeout,
+)
 
 _SERVER = "Server"
 _ENGINE = "Engine"
-_OPS = "Operations"
 
 logger = logging.getLogger(__name__)
 
@@ -71,27 +80,14 @@ def serve(
     strict_plugins: StrictPlugins = False,
     enforce_eager: EnforceEager = False,
     max_graph_batch_size: MaxGraphBatchSize = None,
-    request_timeout: Annotated[float | None, typer.Option(
-        help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
-             "overrides it) [default: none]", rich_help_panel=_OPS)] = None,
-    max_queued_requests: Annotated[int | None, typer.Option(
-        min=1, help="Most requests waiting for their first token; past it: 429 [default: no bound]",
-        rich_help_panel=_OPS)] = None,
-    max_queued_tokens: Annotated[int | None, typer.Option(
-        min=1, help="Most prompt tokens waiting for their first token; past it: 429 [default: no bound]",
-        rich_help_panel=_OPS)] = None,
-    shutdown_timeout: Annotated[float, typer.Option(
-        min=0, help="On SIGTERM, seconds running requests may take to finish before they are aborted",
-        rich_help_panel=_OPS)] = 30.0,
-    health_stall_timeout: Annotated[float, typer.Option(
-        min=0.001, help="/health turns 503 when the engine loop is stuck in one step this long",
-        rich_help_panel=_OPS)] = 30.0,
-    disable_log_stats: Annotated[bool, typer.Option(
-        "--disable-log-stats", help="No periodic engine summary line in the log", rich_help_panel=_OPS)] = False,
-    log_stats_interval: Annotated[float, typer.Option(
-        min=0.001, help="Seconds between two summary lines", rich_help_panel=_OPS)] = 5.0,
-    disable_metrics: Annotated[bool, typer.Option(
-        "--disable-metrics", help="No Prometheus metrics (and no /metrics route)", rich_help_panel=_OPS)] = False,
+    request_timeout: RequestTimeout = None,
+    max_queued_requests: MaxQueuedRequests = None,
+    max_queued_tokens: MaxQueuedTokens = None,
+    shutdown_timeout: ShutdownTimeout = 30.0,
+    health_stall_timeout: HealthStallTimeout = 30.0,
+    disable_log_stats: DisableLogStats = False,
+    log_stats_interval: LogStatsInterval = 5.0,
+    disable_metrics: DisableMetrics = False,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
     from tokenmill_cli.server.settings import load_chat_template

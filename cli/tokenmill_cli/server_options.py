@@ -1,0 +1,31 @@
+"""The operations options of ``tokenmill serve`` (timeouts, admission bounds, logging and
+metrics), as ``Annotated`` aliases like the engine's in ``engine_options``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+_OPS = "Operations"
+
+RequestTimeout = Annotated[float | None, typer.Option(
+    help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
+         "overrides it) [default: none]", rich_help_panel=_OPS)]
+MaxQueuedRequests = Annotated[int | None, typer.Option(
+    min=1, help="Most requests waiting for their first token; past it: 429 [default: no bound]",
+    rich_help_panel=_OPS)]
+MaxQueuedTokens = Annotated[int | None, typer.Option(
+    min=1, help="Most prompt tokens waiting for their first token; past it: 429 [default: no bound]",
+    rich_help_panel=_OPS)]
+ShutdownTimeout = Annotated[float, typer.Option(
+    min=0, help="On SIGTERM, seconds running requests may take to finish before they are aborted",
+    rich_help_panel=_OPS)]
+HealthStallTimeout = Annotated[float, typer.Option(
+    min=0.001, help="/health turns 503 when the engine loop is stuck in one step this long", rich_help_panel=_OPS)]
+DisableLogStats = Annotated[bool, typer.Option(
+    "--disable-log-stats", help="No periodic engine summary line in the log", rich_help_panel=_OPS)]
+LogStatsInterval = Annotated[float, typer.Option(
+    min=0.001, help="Seconds between two summary lines", rich_help_panel=_OPS)]
+DisableMetrics = Annotated[bool, typer.Option(
+    "--disable-metrics", help="No Prometheus metrics (and no /metrics route)", rich_help_panel=_OPS)]
