@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.worker.step_graphs import KernelProfile
 from tokenmill_platform_cpu.kernels import kernels_available
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the CPU kernels")
@@ -35,17 +36,17 @@ def _runner(llm: LLM):
 
 def test_sampling_through_graphs_matches_eager(llama_path):
     eager = _engine(llama_path, enforce_eager=True)
-    assert eager.engine.core.executor.runner.graphs is None
+    assert _runner(eager).graphs is None
     graphed = _engine(llama_path)
     assert _sampled(graphed, 5) == _sampled(eager, 5)
-    assert graphed.engine.core.executor.runner.graphs.batch_sizes == [1, 2, 3, 4, 5]
+    assert _runner(graphed).graphs.batch_sizes == [1, 2, 3, 4, 5]
 
 
 def test_batches_past_the_limit_run_eagerly(llama_path):
     llm = _engine(llama_path, max_graph_batch_size=2)
     assert _sampled(llm, 4) == _sampled(_engine(llama_path, enforce_eager=True), 4)
-    assert llm.engine.core.executor.runner.graphs.batch_sizes == [1, 2]
-    assert _engine(llama_path, max_graph_batch_size=0).engine.core.executor.runner.graphs is None
+    assert _runner(llm).graphs.batch_sizes == [1, 2]
+    assert _runner(_engine(llama_path, max_graph_batch_size=0)).graphs is None
 
 
 def test_unpacked_weights_are_replayed_through_torch_linear(llama_path, monkeypatch):
@@ -92,8 +93,6 @@ def test_an_lm_head_the_graph_cannot_take_runs_after_it(llama_path):
 
 
 def test_a_kernel_profile_times_every_replayed_kernel(llama_path):
-    from tokenmill.worker.step_graphs import KernelProfile
-
     llm = _engine(llama_path)
     graphs = _runner(llm).graphs
     graphs.kernel_profile = profile = KernelProfile()

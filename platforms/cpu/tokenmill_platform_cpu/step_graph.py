@@ -8,9 +8,9 @@ views (outputs that alias an input) and metadata (shapes, strides) are safe, the
 token embedding, torch's linear (matmuls the kernels do not take) and contiguous
 copies are lowered to graph ops, and anything else (another computation, an
 in-place op, a value read back into Python) makes the capture fail with the call's
-name; the model runner then runs that batch size
-eagerly. A failed capture has only run the step's own kernels
-(its K/V writes included), so running the step again eagerly is harmless.
+name; the model runner then runs that batch size eagerly. A failed capture has only
+run the step's own kernels (its K/V writes included), so running the step again
+eagerly is harmless.
 """
 
 from __future__ import annotations
