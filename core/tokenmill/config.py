@@ -52,6 +52,9 @@ class EngineConfig(BaseModel):
         64, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
 
     attention_backend: str | None = None
+    distributed_executor_backend: str = Field(
+        "uni", description="executor that runs the workers, by its registered name (tokenmill_register_executors); "
+                           "'uni': one worker in the engine's own process")
     structured_outputs_backend: str = Field(
         "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")
     strict_plugins: bool = False

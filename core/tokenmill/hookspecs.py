@@ -168,3 +168,17 @@ def tokenmill_default_model() -> str | None:
 @hookspec
 def tokenmill_add_options() -> list[OptionSpec] | None:
     """Return namespaced options (``<plugin>.<name>``) for the CLI and ``LLM``."""
+
+
+@hookspec
+def tokenmill_register_executors() -> dict[str, str] | None:
+    """Map executor names to ``"module:Class"`` qualnames of
+    :class:`tokenmill.executor.Executor` subclasses.
+
+    Called in the engine process when the engine starts; only the executor
+    named by ``EngineConfig.distributed_executor_backend`` (default ``"uni"``,
+    the core's in-process :class:`~tokenmill.executor.UniProcExecutor`) is
+    imported, and built with a :class:`~tokenmill.worker.spec.WorkerSpec`.
+    Collect hook; two plugins registering one name is an error naming both
+    distributions.
+    """

@@ -1,28 +1,115 @@
 """The executor seam: where the model runs (this process, TP worker
-processes, Ray actors). The engine core only speaks this interface."""
+processes, Ray actors). The engine core only speaks this interface.
+
+An executor has one primitive, :meth:`Executor.collective_rpc`: run a
+:class:`~tokenmill.worker.worker.Worker` method (by name) or a function (given
+the worker) on every worker, and return the results in rank order. Everything
+else the core asks is written on top of it, so an executor for worker
+processes implements one method and the way it starts its workers.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal, TypeVar, overload
 
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.spec import WorkerSpec
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 class Executor(ABC):
+    """Built with the rank-0 :class:`WorkerSpec`; ``spec.world_size`` says how many ranks to start.
+
+    ``worker_args`` are in-process extras an executor may pass to a worker in the engine's
+    own process (the engine's plugin manager and platform, a progress bar); an executor whose
+    workers live elsewhere ignores them and each worker rebuilds them from the spec.
+    """
+
+    def __init__(self, spec: WorkerSpec, **worker_args: Any) -> None:
+        self.spec = spec
+
+    @overload
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, non_block: Literal[False] = False) -> list[Any]: ...
+
+    @overload
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, *, non_block: Literal[True]) -> Future[list[Any]]: ...
+
     @abstractmethod
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       ) -> list[Any] | Future[list[Any]]:
+        """Run ``method`` on every worker; its results, one per rank in rank order.
+
+        A string names a public :class:`~tokenmill.worker.worker.Worker` method, called as
+        ``worker.method(*args, **kwargs)``; a callable is called as ``method(worker, *args,
+        **kwargs)`` on the worker (for a worker in another process it must pickle: a
+        module-level function). ``non_block``: return a ``Future`` of the list at once.
+        """
+
     def kv_bytes_per_block(self) -> int:
-        """KV bytes one block takes across all layers (per worker)."""
+        """KV bytes one block takes across all layers, on one worker (every rank holds the same share)."""
+        return int(self.collective_rpc("kv_bytes_per_block")[0])
 
-    @abstractmethod
     def kv_cache_budget(self) -> int:
-        """Bytes the KV cache may use, as the platform measures it after loading."""
+        """Bytes the KV cache may use: the least any worker's platform measured after loading,
+        since every rank holds the same number of blocks."""
+        return min(self.collective_rpc("kv_cache_budget"))
 
-    @abstractmethod
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("allocate_kv_cache", (num_blocks,))
 
-    @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False,
+                      ) -> ModelRunnerOutput: ...
 
-    @abstractmethod
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every worker; rank 0's output (only rank 0 samples)."""
+        if non_block:
+            return _then(self.collective_rpc("execute_model", (scheduler_output,), non_block=True), _rank_zero)
+        return _rank_zero(self.collective_rpc("execute_model", (scheduler_output,)))
+
     def shutdown(self) -> None:
         """Release workers and device memory."""
+        self.collective_rpc("shutdown")
+
+
+def _rank_zero(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    return outputs[0]
+
+
+def _then(future: Future[T], transform: Callable[[T], U]) -> Future[U]:
+    """A future of ``transform(future's result)``, failing as ``future`` fails."""
+    chained: Future[U] = Future()
+
+    def finish(done: Future[T]) -> None:
+        try:
+            chained.set_result(transform(done.result()))
+        except BaseException as exc:  # the caller sees the worker's error through the future
+            chained.set_exception(exc)
+
+    future.add_done_callback(finish)
+    return chained
+
+
+def completed(value: T) -> Future[T]:
+    """An already-resolved future: what an executor that ran the call in place returns for ``non_block``."""
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+def failed(exc: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(exc)
+    return future

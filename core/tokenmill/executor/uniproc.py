@@ -2,35 +2,47 @@
 
 from __future__ import annotations
 
-from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor
+from collections.abc import Callable
+from typing import Any
+
+from tokenmill.executor.base import Executor, completed, failed
 from tokenmill.platform import Platform
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.worker import create_model_runner
+from tokenmill.plugins.manager import PluginManager
+from tokenmill.worker.spec import WorkerSpec
+from tokenmill.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """Builds the model in this process; ``worker_args`` go to :func:`create_model_runner`."""
+    """One :class:`Worker`, built from the spec with the engine's own plugin manager and platform.
 
-    def __init__(self, config: EngineConfig, platform: Platform, **worker_args: object) -> None:
-        self.config = config
-        self.platform = platform
-        self.runner: ModelRunner = create_model_runner(config, platform, **worker_args)  # type: ignore[arg-type]
+    A non-blocking call runs in place all the same and returns a completed future: the
+    forward must stay on the thread that built the model, since on the CPU platform the
+    OpenMP teams belong to that thread and another thread runs 1.5-1.8x slower
+    (docs/operations.md).
+    """
 
-    def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
+    def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
+                 progress: bool = False, **worker_args: Any) -> None:
+        super().__init__(spec)
+        self.worker = Worker(spec, plugins=plugins, platform=platform, progress=progress)
 
-    def kv_cache_budget(self) -> int:
-        return self.platform.kv_cache_bytes(self.config)
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       ) -> Any:  # list[Any] | Future[list[Any]], as the overloads say
+        if not non_block:
+            return [run_on_worker(self.worker, method, args, kwargs)]
+        try:
+            return completed([run_on_worker(self.worker, method, args, kwargs)])
+        except Exception as exc:
+            return failed(exc)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        # Optional platform method: how much of the cache to fault in now (see CpuPlatform).
-        prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
-        self.runner.allocate_kv_cache(num_blocks, prefault(self.config) if prefault is not None else 0)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+def run_on_worker(worker: Worker, method: str | Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any] | None) -> Any:
+    """What a worker does for one ``collective_rpc``: a method by name, or a function given the worker."""
+    if callable(method):
+        return method(worker, *args, **(kwargs or {}))
+    if method.startswith("_") or not callable(getattr(worker, method, None)):
+        raise AttributeError(f"collective_rpc: {method!r} is not a public method of {type(worker).__name__}")
+    return getattr(worker, method)(*args, **(kwargs or {}))
 
-    def shutdown(self) -> None:
-        self.runner.kv_caches.clear()

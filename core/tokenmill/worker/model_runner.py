@@ -28,15 +28,19 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                 graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0) -> None:
+                 graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
+                 samples: bool = True) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
-        allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one."""
+        allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
+        ``samples``: false on the ranks other than 0, which run the forward and return nothing;
+        they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``)."""
         self.model = model
         self.backend = backend
         self.device = device
         self.dtype = dtype
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.samples = samples
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -73,6 +77,12 @@ class ModelRunner:
             populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
 
+    def free_kv_cache(self) -> None:
+        """Drop this runner's references to the KV cache (the layers' bindings go with the next allocation)."""
+        self.kv_caches.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
+
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,6 +93,8 @@ class ModelRunner:
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
         hidden, token_logits = self._forward(inputs)
         output = ModelRunnerOutput()
+        if not self.samples:
+            return output
         self._prompt_logprobs(inputs, hidden, output)
         self._pool(inputs, hidden, output)
         self._sample(inputs, hidden, output, scheduler_output.grammar, token_logits)
@@ -118,12 +130,15 @@ class ModelRunner:
             self.batch.add(state)
         for cached in so.scheduled_cached_reqs:
             self._update_cached(cached.req_id, cached.resumed_from_preemption, cached.new_block_ids,
-                                cached.num_computed_tokens)
+                                cached.num_computed_tokens, cached.new_token_ids)
 
-    def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int) -> None:
+    def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
+                       new_token_ids: list[int]) -> None:
         state = self.requests[req_id]
         state.num_computed_tokens = num_computed
+        missing = [] if self.samples else _missing_tokens(state, num_computed, new_token_ids)
         if resumed:
+            state.output_token_ids.extend(missing)
             state.block_ids = list(new_block_ids)
             state.pooled_sum = None  # recomputed from the first token
             self.batch.add(state)
@@ -132,6 +147,9 @@ class ModelRunner:
         row = self.batch.index_of[req_id]
         self.batch.append_blocks(row, new_block_ids)
         self.batch.num_computed_tokens[row] = num_computed
+        for token in missing:
+            state.output_token_ids.append(token)
+            self.batch.append_token(row, token)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -245,6 +263,13 @@ class ModelRunner:
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
             if start + int(inputs.num_scheduled[i]) >= num_prompt:
                 output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+
+def _missing_tokens(state: CachedRequestState, num_computed: int, new_token_ids: list[int]) -> list[int]:
+    """Of the tokens the scheduler sent (those from position ``max(prompt, num_computed)`` on),
+    the ones a rank that does not sample has not seen yet."""
+    first = max(len(state.prompt_token_ids), num_computed)
+    return new_token_ids[max(0, state.num_tokens - first):]
 
 
 def _sampled_logits(model: CausalLM, hidden: torch.Tensor, token_logits: torch.Tensor | None,

@@ -1,5 +1,10 @@
-"""Everything one worker process does before its first step: choose the
-model class and attention backend, build the model, make the runner."""
+"""A worker: one rank's model runner, built from a :class:`WorkerSpec`.
+
+It does everything one worker process does before its first step (load its own
+checkpoint, choose the model class and attention backend, build the model, make
+the runner), then answers the executor's ``collective_rpc`` calls: its public
+methods are what an executor may call by name on every worker.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,60 @@ from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.model_loader.loader import resolve_model_class
+from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
+from tokenmill.platform import Platform, detect_platform
 from tokenmill.plugins.manager import PluginManager
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.step_graphs import StepGraphCapture
 
 
+class Worker:
+    """One rank. ``plugins`` and ``platform`` are the engine's own where the worker runs in
+    the engine's process (they are set up already); a worker in a process of its own leaves
+    them out and rebuilds them from the spec."""
+
+    def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
+                 progress: bool = False) -> None:
+        self.spec = spec
+        self.plugins = plugins if plugins is not None else spec.load_plugins()
+        if platform is None:
+            platform = detect_platform(self.plugins)
+            platform.configure_process(spec.config)
+        self.platform = platform
+        self.plugins.hook.tokenmill_process_start(role="worker", rank=spec.rank, config=spec.config)
+        dtype = getattr(torch, spec.dtype)
+        checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
+        self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
+                                          progress=progress and spec.rank == 0, samples=spec.samples)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def kv_cache_budget(self) -> int:
+        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded."""
+        return self.platform.kv_cache_bytes(self.spec.config)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Optional platform method: how much of the cache to fault in now (see CpuPlatform).
+        prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
+        self.runner.allocate_kv_cache(num_blocks, prefault(self.spec.config) if prefault is not None else 0)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def attention_backend_name(self) -> str:
+        return str(self.runner.backend.name)
+
+    def shutdown(self) -> None:
+        self.runner.free_kv_cache()
+
+
 def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginManager, checkpoint: Checkpoint,
-                        dtype: torch.dtype, max_model_len: int, progress: bool = False) -> ModelRunner:
+                        dtype: torch.dtype, max_model_len: int, progress: bool = False,
+                        samples: bool = True) -> ModelRunner:
     model_cls = resolve_model_class(checkpoint, plugins, platform)
     device = platform.device()
     model = build_model(model_cls, checkpoint, device, dtype, progress=progress)
@@ -43,6 +93,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         block_size=config.block_size,
         graph_capture=_graph_capture(config, platform, backend),
         max_graph_batch_size=config.max_graph_batch_size,
+        samples=samples,
     )
 
 
