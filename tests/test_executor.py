@@ -15,8 +15,11 @@ import threading
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, EngineConfig, PluginError, SamplingParams
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.executor import UniProcExecutor
+from tokenmill.hookspecs import hookimpl
+from tokenmill.plugins.manager import PluginInfo, PluginManager
 from tokenmill.scheduler.output import ModelRunnerOutput
 from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.worker import Worker
@@ -211,3 +214,33 @@ def test_model_info_matches_the_checkpoint(default_llm, llama_path):
     assert (info.dtype, info.device_type, info.block_size) == ("float32", "cpu", 16)
     assert info.num_kv_blocks == default_llm.engine.scheduler_stats.kv_blocks_total
     assert default_llm.engine.core.model_info() is info
+
+
+class _StartRecorder:
+    """A plugin registered in code, recording the process-start calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    @hookimpl
+    def tokenmill_process_start(self, role: str, rank: int) -> None:
+        self.calls.append((role, rank))
+
+
+def _manager_with(plugin: object) -> PluginManager:
+    manager = PluginManager()
+    manager.load_entry_points()
+    manager.register(plugin, PluginInfo("start-recorder", "tests", "0", __name__))
+    return manager
+
+
+def test_process_start_is_called_for_the_engine_and_its_worker(llama_path):
+    recorder = _StartRecorder()
+    LLMEngine(EngineConfig(model=str(llama_path), **ENGINE_ARGS), plugins=_manager_with(recorder))
+    assert recorder.calls == [("engine", 0), ("worker", 0)]
+
+
+def test_a_plugin_registered_in_code_cannot_reach_a_worker_built_from_the_spec(llama_path):
+    config = EngineConfig(model=str(llama_path), distributed_executor_backend="in-process-ranks", **ENGINE_ARGS)
+    with pytest.raises(PluginError, match=r"worker rank 0 could not load the engine's plugins \['start-recorder'\]"):
+        LLMEngine(config, plugins=_manager_with(_StartRecorder()))

@@ -47,7 +47,7 @@ class EngineCore:
             model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins))
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
-                                                  progress=progress)
+                                                  checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._model_info = self._describe_model()

@@ -26,8 +26,9 @@ class Executor(ABC):
     """Built with the rank-0 :class:`WorkerSpec`; ``spec.world_size`` says how many ranks to start.
 
     ``worker_args`` are in-process extras an executor may pass to a worker in the engine's
-    own process (the engine's plugin manager and platform, a progress bar); an executor whose
-    workers live elsewhere ignores them and each worker rebuilds them from the spec.
+    own process (the engine's ``plugins``, ``platform`` and loaded ``checkpoint``, ``progress``
+    for a progress bar); an executor whose workers live elsewhere ignores them, and each
+    worker rebuilds them from the spec.
     """
 
     def __init__(self, spec: WorkerSpec, **worker_args: Any) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.executor.base import Executor, completed, failed
+from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.platform import Platform
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.worker.spec import WorkerSpec
@@ -13,7 +14,8 @@ from tokenmill.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """One :class:`Worker`, built from the spec with the engine's own plugin manager and platform.
+    """One :class:`Worker`, built from the spec with the engine's own plugin manager, platform
+    and checkpoint (the worker loads the weights).
 
     A non-blocking call runs in place all the same and returns a completed future: the
     forward must stay on the thread that built the model, since on the CPU platform the
@@ -22,9 +24,9 @@ class UniProcExecutor(Executor):
     """
 
     def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
-                 progress: bool = False, **worker_args: Any) -> None:
+                 checkpoint: Checkpoint | None = None, progress: bool = False, **worker_args: Any) -> None:
         super().__init__(spec)
-        self.worker = Worker(spec, plugins=plugins, platform=platform, progress=progress)
+        self.worker = Worker(spec, plugins=plugins, platform=platform, checkpoint=checkpoint, progress=progress)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,

@@ -27,12 +27,14 @@ from tokenmill.worker.step_graphs import StepGraphCapture
 
 
 class Worker:
-    """One rank. ``plugins`` and ``platform`` are the engine's own where the worker runs in
-    the engine's process (they are set up already); a worker in a process of its own leaves
-    them out and rebuilds them from the spec."""
+    """One rank. A worker in a process of its own is built from the spec alone: it loads the
+    engine's plugins by name, detects and configures its platform, and reads its checkpoint.
+    A worker in the engine's own process may be handed what the engine has already set up:
+    its ``plugins``, its ``platform`` and its ``checkpoint`` (so the file is not read twice:
+    a GGUF's vocabulary takes seconds to parse); only the weights are loaded here either way."""
 
     def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
-                 progress: bool = False) -> None:
+                 checkpoint: Checkpoint | None = None, progress: bool = False) -> None:
         self.spec = spec
         self.plugins = plugins if plugins is not None else spec.load_plugins()
         if platform is None:
@@ -41,7 +43,8 @@ class Worker:
         self.platform = platform
         self.plugins.hook.tokenmill_process_start(role="worker", rank=spec.rank, config=spec.config)
         dtype = getattr(torch, spec.dtype)
-        checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
                                           progress=progress and spec.rank == 0, samples=spec.samples)
 
