@@ -20,6 +20,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.executor import UniProcExecutor
 from tokenmill.hookspecs import hookimpl
 from tokenmill.plugins.manager import PluginInfo, PluginManager
+from tokenmill.request import RequestStatus
 from tokenmill.scheduler.output import ModelRunnerOutput
 from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.worker import Worker
@@ -61,8 +62,8 @@ def test_an_executor_registered_by_a_plugin_runs_the_model(llama_path, expected)
     assert type(executor).__module__ == "tokenmill_example_executor.executors"
     assert _tokens(llm) == expected
     assert executor.calls[:3] == ["kv_bytes_per_block", "kv_cache_budget", "allocate_kv_cache"]
-    steps = executor.calls.count("execute_model")
-    assert steps >= 12 and set(executor.calls[3:]) == {"execute_model"}
+    steps = executor.calls[3:]
+    assert len(steps) >= 2 * 12 and steps == ["execute_model", "sample_tokens"] * (len(steps) // 2)
     llm.engine.shutdown()
     assert executor.calls[-1] == "shutdown"
 
@@ -110,8 +111,9 @@ def test_a_non_blocking_call_runs_on_the_calling_thread_and_fails_through_its_fu
             executor.collective_rpc(private)
 
 
-def test_a_non_blocking_step_gives_the_blocking_step_s_tokens(llama_path, expected):
-    """The core's step, with the forward asked for non-blocking and its future awaited."""
+def test_a_blocking_step_gives_the_non_blocking_step_s_tokens(llama_path, expected):
+    """The core's step (``expected``) asks for the forward non-blocking; here it blocks, and the
+    tokens are the same."""
     llm = LLM(str(llama_path), **ENGINE_ARGS)
     core = llm.engine.core
     for i, prompt in enumerate(_prompts()):
@@ -119,12 +121,23 @@ def test_a_non_blocking_step_gives_the_blocking_step_s_tokens(llama_path, expect
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(expected))}
     while core.has_unfinished_requests():
         scheduler_output = core.scheduler.schedule()
-        future = core.executor.execute_model(scheduler_output, non_block=True)
-        runner_output = future.result(timeout=0)
-        assert isinstance(runner_output, ModelRunnerOutput)
+        assert core.executor.execute_model(scheduler_output) is None
+        runner_output = core.executor.sample_tokens(core.scheduler.grammar_bitmask(scheduler_output))
         for out in core.scheduler.update_from_output(scheduler_output, runner_output):
             tokens[out.req_id] += out.new_token_ids
     assert [tokens[str(i)] for i in range(len(expected))] == expected
+
+
+def test_a_non_blocking_forward_returns_a_completed_future_in_process(default_llm):
+    core = default_llm.engine.core
+    core.add_request(default_llm.engine.prepare_request("f", _prompts(1)[0], _greedy()).requests[0])
+    scheduler_output = core.scheduler.schedule()
+    future = core.executor.execute_model(scheduler_output, non_block=True)
+    assert future.done() and future.result() == [None]
+    runner_output = core.executor.sample_tokens(None)
+    assert list(runner_output.sampled) == ["f"]
+    core.scheduler.update_from_output(scheduler_output, runner_output)
+    core.finish_requests(["f"], RequestStatus.FINISHED_ABORTED)
 
 
 def test_the_worker_spec_pickles_and_names_the_loaded_plugins(default_llm, llama_path):
@@ -166,7 +179,8 @@ def test_ranks_built_from_an_unpickled_spec_generate_and_only_rank_0_samples(lla
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(expected))}
     while core.has_unfinished_requests():
         scheduler_output = core.scheduler.schedule()
-        rank0, rank1 = executor.collective_rpc("execute_model", (scheduler_output,))
+        assert executor.collective_rpc("execute_model", (scheduler_output,)) == [None, None]
+        rank0, rank1 = executor.collective_rpc("sample_tokens", (None,))
         assert rank1 == ModelRunnerOutput()
         for out in core.scheduler.update_from_output(scheduler_output, rank0):
             tokens[out.req_id] += out.new_token_ids

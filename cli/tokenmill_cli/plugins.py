@@ -17,6 +17,7 @@ _NAMED_HOOKS = {
     "tokenmill_register_tool_parsers": "tool-parser",
     "tokenmill_register_reasoning_parsers": "reasoning-parser",
     "tokenmill_register_structured_output_backends": "structured-output",
+    "tokenmill_register_executors": "executor",
     "tokenmill_default_model": "default-model",
 }
 

@@ -123,7 +123,11 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.structured_output.num_pending:
             self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
-        runner_output = self.executor.execute_model(scheduler_output)
+        forward = self.executor.execute_model(scheduler_output, non_block=True)
+        # Built while the forward runs, where the executor runs it elsewhere (in place: after it).
+        grammar = self.scheduler.grammar_bitmask(scheduler_output)
+        forward.result()
+        runner_output = self.executor.sample_tokens(grammar)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), scheduler_output.total_num_scheduled_tokens)
 

@@ -15,11 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, TypeVar, overload
 
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.spec import WorkerSpec
 
 T = TypeVar("T")
-U = TypeVar("U")
 
 
 class Executor(ABC):
@@ -67,40 +66,32 @@ class Executor(ABC):
         self.collective_rpc("allocate_kv_cache", (num_blocks,))
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False,
-                      ) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False) -> None: ...
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> Future[list[None]]: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
-                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step on every worker; rank 0's output (only rank 0 samples)."""
+                      ) -> Future[list[None]] | None:
+        """Run one step's forward on every worker; :meth:`sample_tokens` then gives its output.
+
+        ``non_block``: return at once, with a future that completes when every forward has (the
+        engine core builds the step's grammar bitmask meanwhile). An executor that runs the
+        forward in place returns it completed.
+        """
         if non_block:
-            return _then(self.collective_rpc("execute_model", (scheduler_output,), non_block=True), _rank_zero)
-        return _rank_zero(self.collective_rpc("execute_model", (scheduler_output,)))
+            return self.collective_rpc("execute_model", (scheduler_output,), non_block=True)
+        self.collective_rpc("execute_model", (scheduler_output,))
+        return None
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The last forward's output, sampled within ``grammar``: rank 0's (only rank 0 samples)."""
+        outputs: list[ModelRunnerOutput] = self.collective_rpc("sample_tokens", (grammar,))
+        return outputs[0]
 
     def shutdown(self) -> None:
         """Release workers and device memory."""
         self.collective_rpc("shutdown")
-
-
-def _rank_zero(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
-    return outputs[0]
-
-
-def _then(future: Future[T], transform: Callable[[T], U]) -> Future[U]:
-    """A future of ``transform(future's result)``, failing as ``future`` fails."""
-    chained: Future[U] = Future()
-
-    def finish(done: Future[T]) -> None:
-        try:
-            chained.set_result(transform(done.result()))
-        except BaseException as exc:  # the caller sees the worker's error through the future
-            chained.set_exception(exc)
-
-    future.add_done_callback(finish)
-    return chained
 
 
 def completed(value: T) -> Future[T]:

@@ -51,6 +51,8 @@ class GrammarBitmask:
     ``bitmask`` is ``[len(rows), ceil(vocab_size / 32)]`` int32, bit-packed
     (bit ``j`` of word ``i`` is token ``32 * i + j``; set = allowed); ``rows``
     maps a request id to its row. Only requests that sample this step have one.
+    ``Scheduler.grammar_bitmask`` builds it while the step's forward runs; the
+    workers get it with ``sample_tokens``.
     """
 
     bitmask: torch.Tensor
@@ -68,8 +70,6 @@ class SchedulerOutput:
     # Preempted since the last step: workers drop them from the batch but keep
     # their state (token ids, seeded generator) for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Structured outputs: None when no scheduled request is constrained.
-    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -9,8 +9,9 @@ request is preempted and later recomputed from scratch.
 
 A request with structured outputs waits in ``WAITING_FOR_GRAMMAR``, outside
 the waiting queue, while its grammar compiles in a thread, so it blocks no
-one; each step the constrained requests that sample get a token bitmask, and
-their matchers advance with the tokens sampled.
+one; each step the constrained requests that sample get a token bitmask
+(``grammar_bitmask``, built while the step's forward runs), and their
+matchers advance with the tokens sampled.
 """
 
 from __future__ import annotations
@@ -141,7 +142,6 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.tokens.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
-            grammar=self._grammar_bitmask(plan) if self._constrained else None,
         )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
@@ -170,10 +170,15 @@ class Scheduler:
         self._pending_outputs.append(EngineCoreOutput(
             req_id=request.request_id, new_token_ids=[], finish_status=RequestStatus.FINISHED_ERROR, error=error))
 
-    def _grammar_bitmask(self, plan: _StepPlan) -> GrammarBitmask | None:
-        """Bitmask rows for the constrained requests that reach their last token, and so sample, this step."""
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Bitmask rows for the constrained requests that reach their last token, and so sample, in
+        the step ``scheduler_output`` scheduled; None when none is constrained. Called between
+        ``schedule()`` and ``update_from_output()``, while the step's forward runs."""
+        if not self._constrained:
+            return None
+        tokens = scheduler_output.num_scheduled_tokens
         sampling = [r for r in self._constrained.values()
-                    if r.request_id in plan.tokens and r.num_computed_tokens + plan.tokens[r.request_id] >= r.num_tokens]
+                    if r.request_id in tokens and r.num_computed_tokens + tokens[r.request_id] >= r.num_tokens]
         assert self.structured_output is not None
         return self.structured_output.grammar_bitmask(sampling)
 

@@ -1,11 +1,14 @@
-"""Runs the model for one scheduled step: update the persistent batch from
-the scheduler's diffs, build inputs, forward, compute logits only where a
-token is sampled, sample, and remember the sampled tokens."""
+"""Runs the model for one scheduled step, in two calls: ``execute_model`` updates
+the persistent batch from the scheduler's diffs, builds inputs and runs the
+forward; ``sample_tokens`` (given the step's grammar bitmask, which the engine
+builds meanwhile) computes logits only where a token is sampled, samples, and
+remembers the sampled tokens."""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,16 @@ from tokenmill.worker.step_graphs import DecodeGraphs, StepGraphCapture
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Forward:
+    """A step's forward, waiting for ``sample_tokens``."""
+
+    inputs: StepInputs
+    hidden: torch.Tensor
+    token_logits: torch.Tensor | None  # every token's logits, where a step graph computed them too
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
@@ -48,6 +61,7 @@ class ModelRunner:
         # states alone (the output token lists it holds are the states' own, growing in
         # place), so consecutive steps of the same requests reuse it.
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
+        self._forward_result: _Forward | None = None  # from execute_model, for sample_tokens
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -85,19 +99,28 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Update the batch and run the step's forward; :meth:`sample_tokens` gives its output."""
         self._update_states(scheduler_output)
+        self._forward_result = None
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
         hidden, token_logits = self._forward(inputs)
+        self._forward_result = _Forward(inputs, hidden, token_logits)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """The last forward's output: sampled tokens (within ``grammar``), logprobs, embeddings.
+        A rank that does not sample returns an empty one."""
+        forward, self._forward_result = self._forward_result, None
         output = ModelRunnerOutput()
-        if not self.samples:
+        if forward is None or not self.samples:
             return output
-        self._prompt_logprobs(inputs, hidden, output)
-        self._pool(inputs, hidden, output)
-        self._sample(inputs, hidden, output, scheduler_output.grammar, token_logits)
+        self._prompt_logprobs(forward.inputs, forward.hidden, output)
+        self._pool(forward.inputs, forward.hidden, output)
+        self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.platform import Platform, detect_platform
 from tokenmill.plugins.manager import PluginManager
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.spec import WorkerSpec
@@ -60,8 +60,13 @@ class Worker:
         prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
         self.runner.allocate_kv_cache(num_blocks, prefault(self.spec.config) if prefault is not None else 0)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's forward; its output comes from :meth:`sample_tokens`."""
+        self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The last forward's output (empty on a rank other than 0: only rank 0 samples)."""
+        return self.runner.sample_tokens(grammar)
 
     def attention_backend_name(self) -> str:
         return str(self.runner.backend.name)
