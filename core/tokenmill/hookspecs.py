@@ -161,7 +161,7 @@ def tokenmill_register_executors() -> dict[str, str] | None:
     """Map executor names to the ``"module:Class"`` of their executor.
 
     :returns: ``{name: "module:Class"}``; each class is a
-        :class:`tokenmill.executor.Executor` subclass, imported only when chosen.
+        :class:`tokenmill.plugin_api.Executor` subclass, imported only when chosen.
 
     Called: in the engine process when an engine starts, after the checkpoint is
     read and before the model is built; ``EngineConfig.distributed_executor_backend``
@@ -292,7 +292,7 @@ def tokenmill_register_structured_output_backends() -> dict[str, str] | None:
     """Map structured-output backend names to ``"module:Class"`` qualnames.
 
     :returns: ``{name: "module:Class"}``. The class implements
-        :class:`tokenmill.structured_output.backend.StructuredOutputBackend`: built
+        :class:`tokenmill.plugin_api.StructuredOutputBackend`: built
         with ``(tokenizer, vocab_size, stop_token_ids)``, it validates constraints
         (``InvalidRequestError`` naming the field for a bad one), compiles them (in
         a worker thread) and makes one matcher per request, which fills int32
@@ -317,7 +317,7 @@ def tokenmill_register_tool_parsers() -> dict[str, str] | None:
     """Map tool-call parser names to ``"module:Class"`` qualnames.
 
     :returns: ``{name: "module:Class"}``; the class implements
-        :class:`tokenmill.tool_parsers.ToolParser` and is imported only when chosen.
+        :class:`tokenmill.plugin_api.ToolParser` and is imported only when chosen.
 
     Called: in the server process when it starts with ``--tool-call-parser
     NAME``, and by ``tokenmill plugins``.
