@@ -37,3 +37,10 @@ def test_lists_every_declared_hook_and_flags_the_experimental_ones():
         row = next((line for line in lines if f" {hook} " in line), None)
         assert row is not None, f"{hook} missing from the hooks table"
         assert ("not called by this version" in row) == (hook in experimental), row
+
+
+def test_a_plugin_implementing_a_reserved_hook_sees_it_flagged():
+    from tokenmill_cli.plugins import _hook_label
+
+    assert _hook_label("tokenmill_register_kv_connectors") == "register_kv_connectors (not called by this version)"
+    assert _hook_label("tokenmill_register_models") == "register_models"
