@@ -112,8 +112,9 @@ def tokenmill_detect_platform() -> PlatformSpec | None:
     :returns: a :class:`~tokenmill.plugins.specs.PlatformSpec` naming the
         platform class by ``"module:Class"`` and its priority.
 
-    Called: once in the engine process when an engine starts, before anything
-    else touches a device, and by ``tokenmill plugins``. The core instantiates
+    Called: once in the engine process when an engine starts (and in each worker
+    process an executor starts), before anything else touches a device, and by
+    ``tokenmill plugins``. The core instantiates
     the class of the available platform with the highest ``priority`` and calls
     its ``configure_process(config)``.
 
