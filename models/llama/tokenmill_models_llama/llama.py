@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention import AttentionMetadata
 from tokenmill.layers import Attention, Linear, MergedLinear, RMSNorm, RotaryEmbedding, layer_ops
+from tokenmill.plugin_api import AttentionMetadata
 
 # checkpoint projection name -> (merged parameter, shard index)
 _STACKED = {

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.plugins.manager import get_plugin_manager
-from tokenmill.plugins.specs import resolve_qualname
+from tokenmill.plugin_api import get_plugin_manager, resolve_qualname
 
 
 class InjectedFault(RuntimeError):
