@@ -13,6 +13,7 @@ from int8_models import build_int8_pair
 from tiny_models import hf_greedy
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.errors import UnsupportedQuantizationError
 from tokenmill.plugins.manager import ENTRY_POINT_GROUP
 
 MAX_NEW = 12
@@ -62,3 +63,14 @@ def test_int8_checkpoint_differs_from_its_float_original(model_factory, tmp_path
         out = LLM(str(folder), dtype="float32", max_model_len=64, kv_cache_memory="8MiB").generate(prompt, params)
         logprobs.append([next(iter(step.values())).logprob for step in out[0].outputs[0].logprobs])
     assert logprobs[0] != pytest.approx(logprobs[1], abs=1e-6)
+
+
+def test_the_quantization_option_names_the_method_or_is_refused(int8_pair):
+    quantized, _ = int8_pair
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = [{"prompt_token_ids": _prompts(1)[0]}]
+    named = LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", quantization="example-int8")
+    declared = LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+    assert named.generate(prompt, params)[0].outputs[0].token_ids == declared.generate(prompt, params)[0].outputs[0].token_ids
+    with pytest.raises(UnsupportedQuantizationError, match="does not match"):
+        LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", quantization="gguf")
