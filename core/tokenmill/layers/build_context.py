@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ class ModelBuildContext:
         """The context of submodule ``name``: ``ctx.child("layers.3")`` under prefix
         ``model`` builds ``model.layers.3``."""
         prefix = f"{self.prefix}.{name}" if self.prefix and name else self.prefix or name
-        return dataclasses.replace(self, prefix=prefix, shared=self.shared)
+        return dataclasses.replace(self, prefix=prefix)  # the same `shared` dict
 
     def linear_method(self, layer: nn.Module) -> LinearMethod | None:
         """The quantization config's method for ``layer`` at this prefix; None: float."""
@@ -61,4 +61,4 @@ class ModelBuildContext:
         """The one module under ``key`` for the whole model, built on first request."""
         if key not in self.shared:
             self.shared[key] = build()
-        return self.shared[key]  # type: ignore[return-value]  # the key fixes the type
+        return cast(ModuleT, self.shared[key])  # the key fixes the type
