@@ -52,6 +52,9 @@ class EngineConfig(BaseModel):
         64, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
 
     attention_backend: str | None = None
+    quantization: str | None = Field(
+        None, description="quantization method, by its registered name or checkpoint alias (tokenmill_register_quantization_methods); "
+        "None: the one the checkpoint declares (config.json's quantization_config, or its single-file format), if any")
     structured_outputs_backend: str = Field(
         "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")
     strict_plugins: bool = False

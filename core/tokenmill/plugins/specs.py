@@ -72,6 +72,7 @@ class ModelSpec:
 class QuantMethodSpec:
     """A quantization method or quantized checkpoint format.
 
+    ``qualname`` names its :class:`tokenmill.layers.QuantizationConfig` subclass;
     ``checkpoint_aliases`` are the names a checkpoint's ``quantization_config``
     may use; ``file_suffixes`` are single-file formats (``.gguf``) whose
     ``loader_qualname`` turns the file into a config, tokenizer and weights.

@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import resolve_model_class
+from tokenmill.model_loader.quant_config import resolve_quant_config
 from tokenmill.platform import platform_kv_allocator, platform_step_graph_capture
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.worker.model_builder import build_model
@@ -23,7 +24,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
                         dtype: torch.dtype, max_model_len: int, progress: bool = False) -> ModelRunner:
     model_cls = resolve_model_class(checkpoint, plugins, platform)
     device = platform.device()
-    model = build_model(model_cls, checkpoint, device, dtype, progress=progress)
+    quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
+    model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     needs = AttentionRequirements(
         device_type=platform.device_type,
