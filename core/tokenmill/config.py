@@ -55,6 +55,9 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: str = Field(
         "uni", description="executor that runs the workers, by its registered name (tokenmill_register_executors); "
                            "'uni': one worker in the engine's own process")
+    quantization: str | None = Field(
+        None, description="quantization method, by its registered name or checkpoint alias (tokenmill_register_quantization_methods); "
+        "None: the one the checkpoint declares (config.json's quantization_config, or its single-file format), if any")
     structured_outputs_backend: str = Field(
         "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")
     strict_plugins: bool = False

@@ -32,19 +32,9 @@ class UniProcExecutor(Executor):
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        ) -> Any:  # list[Any] | Future[list[Any]], as the overloads say
         if not non_block:
-            return [run_on_worker(self.worker, method, args, kwargs)]
+            return [self.worker.execute_method(method, args, kwargs)]
         try:
-            return completed([run_on_worker(self.worker, method, args, kwargs)])
+            return completed([self.worker.execute_method(method, args, kwargs)])
         except Exception as exc:
             return failed(exc)
-
-
-def run_on_worker(worker: Worker, method: str | Callable[..., Any], args: tuple[Any, ...],
-                  kwargs: dict[str, Any] | None) -> Any:
-    """What a worker does for one ``collective_rpc``: a method by name, or a function given the worker."""
-    if callable(method):
-        return method(worker, *args, **(kwargs or {}))
-    if method.startswith("_") or not callable(getattr(worker, method, None)):
-        raise AttributeError(f"collective_rpc: {method!r} is not a public method of {type(worker).__name__}")
-    return getattr(worker, method)(*args, **(kwargs or {}))
 

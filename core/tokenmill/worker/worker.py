@@ -8,6 +8,7 @@ methods are what an executor may call by name on every worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +18,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
-from tokenmill.platform import Platform, detect_platform
+from tokenmill.model_loader.quant_config import resolve_quant_config
+from tokenmill.platform import (
+    Platform,
+    detect_platform,
+    platform_kv_allocator,
+    platform_kv_prefault_bytes,
+    platform_step_graph_capture,
+)
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_builder import build_model
@@ -48,6 +56,16 @@ class Worker:
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
                                           progress=progress and spec.rank == 0, samples=spec.samples)
 
+    def execute_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        """What this worker does for one ``collective_rpc``: a public method by name, or a
+        function called with the worker first."""
+        if callable(method):
+            return method(self, *args, **(kwargs or {}))
+        if method.startswith("_") or method == "execute_method" or not callable(getattr(self, method, None)):
+            raise AttributeError(f"collective_rpc: {method!r} is not a public method of {type(self).__name__}")
+        return getattr(self, method)(*args, **(kwargs or {}))
+
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
 
@@ -56,9 +74,8 @@ class Worker:
         return self.platform.kv_cache_bytes(self.spec.config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # Optional platform method: how much of the cache to fault in now (see CpuPlatform).
-        prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
-        self.runner.allocate_kv_cache(num_blocks, prefault(self.spec.config) if prefault is not None else 0)
+        # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.
+        self.runner.allocate_kv_cache(num_blocks, platform_kv_prefault_bytes(self.platform, self.spec.config))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """The step's forward; its output comes from :meth:`sample_tokens`."""
@@ -80,7 +97,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
                         samples: bool = True) -> ModelRunner:
     model_cls = resolve_model_class(checkpoint, plugins, platform)
     device = platform.device()
-    model = build_model(model_cls, checkpoint, device, dtype, progress=progress)
+    quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
+    model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     needs = AttentionRequirements(
         device_type=platform.device_type,
@@ -99,6 +117,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         block_size=config.block_size,
+        kv_allocator=platform_kv_allocator(platform),
         graph_capture=_graph_capture(config, platform, backend),
         max_graph_batch_size=config.max_graph_batch_size,
         samples=samples,
@@ -109,4 +128,4 @@ def _graph_capture(config: EngineConfig, platform: Any, backend: Any) -> StepGra
     """The platform, if decode steps may run through its step graphs."""
     if config.enforce_eager or not getattr(backend, "supports_step_graphs", False):
         return None
-    return platform if hasattr(platform, "capture_step_graph") else None
+    return platform_step_graph_capture(platform)

@@ -6,7 +6,7 @@
   memory, as a device with less free memory would).
 """
 
-from tokenmill.hookspecs import hookimpl
+from tokenmill.plugin_api import hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

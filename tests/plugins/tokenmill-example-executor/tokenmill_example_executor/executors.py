@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from tokenmill.executor import Executor, UniProcExecutor
-from tokenmill.executor.base import completed, failed
-from tokenmill.executor.uniproc import run_on_worker
-from tokenmill.worker.spec import WorkerSpec
-from tokenmill.worker.worker import Worker
+from tokenmill.plugin_api import Executor, UniProcExecutor, Worker, WorkerSpec
 
 
 def _call_name(method: str | Callable[..., Any]) -> str:
@@ -54,8 +51,10 @@ class InProcessRanksExecutor(Executor):
                        kwargs: dict[str, Any] | None = None, non_block: bool = False) -> Any:
         self.calls.append(_call_name(method))
         if not non_block:
-            return [run_on_worker(worker, method, args, kwargs) for worker in self.workers]
+            return [worker.execute_method(method, args, kwargs) for worker in self.workers]
+        future: Future[list[Any]] = Future()
         try:
-            return completed([run_on_worker(worker, method, args, kwargs) for worker in self.workers])
-        except Exception as exc:
-            return failed(exc)
+            future.set_result([worker.execute_method(method, args, kwargs) for worker in self.workers])
+        except Exception as exc:  # the caller sees it through the future
+            future.set_exception(exc)
+        return future

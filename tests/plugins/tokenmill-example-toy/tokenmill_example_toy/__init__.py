@@ -1,7 +1,6 @@
 """Registers the ``ToyLMForCausalLM`` architecture (no torch at import time)."""
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import ModelSpec
+from tokenmill.plugin_api import ModelSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 
