@@ -1,37 +1,222 @@
-"""Engine options shared by every command that starts an engine.
+"""Engine options, generated: one command-line option per ``EngineConfig`` field and per plugin option.
 
-Each is an ``Annotated`` alias, so a command declares ``dtype: Dtype = "auto"``
-and the help text stays in one place.
+``engine_command(command, config_cls)`` hands typer ``command`` with its ``engine: EngineConfig``
+parameter replaced, in the signature typer reads (``__signature__``), by
+
+* one option per field of ``config_cls``: ``--max-num-seqs`` for ``max_num_seqs``, with the
+  field's type, default and description as help; a ``bool`` is an on/off pair
+  (``--enable-prefix-caching/--no-enable-prefix-caching``); a dict, list or model field takes
+  JSON (``--speculative-config '{"method": "ngram"}'``); ``tokenmill.config.cli`` names the help
+  panel, and a metavar for a field that reads text itself (``--kv-cache-memory 2GiB``);
+* one option per ``OptionSpec`` a plugin adds (``tokenmill_add_options``): ``--<plugin>.<name>``,
+  underscores written as dashes, its value going to ``plugin_options["<plugin>.<name>"]``;
+* ``--config FILE.yaml`` (:mod:`tokenmill_cli.config_file`), whose keys become the defaults of
+  any of the command's options, so the command line overrides the file.
+
+When the command runs, the values the user gave (command line, environment or file) build one
+``config_cls``, validated once: a value it rejects is a ``BadParameter`` naming its option (exit 2).
+The command receives it as ``engine`` with only those fields set, so
+``engine.model_dump(exclude_unset=True)`` are the keyword arguments that build it again
+(``LLM(**...)``). A command that spells a field its own way passes a typer parameter for it:
+``engine_command(serve, model=typer.Argument())`` makes the model positional.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from copy import copy
+from dataclasses import dataclass
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import annotated_types
 import typer
+from pydantic import TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+from typer.models import ParameterInfo
 
-_ENGINE = "Engine"
+from tokenmill.config import EngineConfig
+from tokenmill.plugins.specs import OptionSpec
+from tokenmill_cli.config_file import config_file_parameter
 
-Model = Annotated[str | None, typer.Argument(help="Hub id, local folder or .gguf file [default: SmolLM2-135M-Instruct]")]
-Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16", rich_help_panel=_ENGINE)]
-MaxModelLen = Annotated[int | None, typer.Option(help="Context length [default: the model's]", rich_help_panel=_ENGINE)]
-MaxNumSeqs = Annotated[int, typer.Option(help="Most requests in one step", rich_help_panel=_ENGINE)]
-MaxNumBatchedTokens = Annotated[int, typer.Option(help="Token budget of one step", rich_help_panel=_ENGINE)]
-PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
-                                             help="Reuse the KV blocks of shared prefixes", rich_help_panel=_ENGINE)]
-KVCacheMemory = Annotated[str | None, typer.Option(help="KV cache size on the CPU, e.g. 2GiB", rich_help_panel=_ENGINE)]
-GPUMemoryUtilization = Annotated[float, typer.Option(help="Fraction of GPU memory to use", rich_help_panel=_ENGINE)]
-BlockSize = Annotated[int, typer.Option(help="Tokens per KV block", rich_help_panel=_ENGINE)]
-Seed = Annotated[int, typer.Option(help="Engine seed", rich_help_panel=_ENGINE)]
-AttentionBackend = Annotated[str | None, typer.Option(help="Force an attention backend by name", rich_help_panel=_ENGINE)]
-EnforceEager = Annotated[bool, typer.Option(
-    "--enforce-eager", help="Run every step eagerly, never through a step graph", rich_help_panel=_ENGINE)]
-MaxGraphBatchSize = Annotated[int | None, typer.Option(
-    min=0, help="Decode batches of up to this many requests replay a captured step graph [default: 64]",
-    rich_help_panel=_ENGINE)]
-StrictPlugins = Annotated[bool, typer.Option(help="Fail when a plugin cannot be loaded", rich_help_panel=_ENGINE)]
+_DEFAULT_PANEL = "Engine"
+_PLUGIN_PANEL = "Plugins"
+_SCALARS = (bool, int, float, str, Path)
+_CONTEXT = "ctx"
+_PLUGIN_OPTIONS = "plugin_options"  # the field the per-plugin options stand in for
+
+# The common spellings of the model: an option of generate and bench, the argument of serve.
+MODEL_OPTION = typer.Option("--model", "-m")
+MODEL_ARGUMENT = typer.Argument()
 
 
-def engine_kwargs(**options: Any) -> dict[str, Any]:
-    """EngineConfig fields from CLI values; options left unset keep the config's defaults."""
-    return {name: value for name, value in options.items() if value is not None}
+@dataclass(frozen=True)
+class GeneratedOption:
+    """One generated parameter and where its value goes: a field, or a plugin option's key."""
+
+    parameter: inspect.Parameter
+    key: str
+    flag: str
+    is_plugin: bool = False
+
+
+def engine_command(command: Callable[..., Any], config_cls: type[EngineConfig] = EngineConfig,
+                   **spelling: ParameterInfo) -> Callable[..., Any]:
+    """``command`` as typer sees it: engine options in place of its ``engine`` parameter."""
+    options = [*field_options(config_cls, spelling), *plugin_options()]
+    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "engine"]
+    if clashes := {p.name for p in own} & {o.parameter.name for o in options}:
+        raise TypeError(f"{command.__name__} declares {sorted(clashes)}, which are engine options")
+    keys = {p.name: p.name for p in own} | {_normalized(o.key): o.parameter.name for o in options}
+
+    @functools.wraps(command)
+    def run(**values: Any) -> Any:
+        ctx, config_file = values.pop(_CONTEXT), values.pop("config_file")
+        given = {o: values.pop(o.parameter.name) for o in options if _was_given(ctx, o.parameter.name)}
+        for option in options:
+            values.pop(option.parameter.name, None)
+        engine = build_config(config_cls, given, config_file)
+        return command(engine=engine, **values)
+
+    context = inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    signature = inspect.Signature([*own, context, config_file_parameter(keys), *(o.parameter for o in options)])
+    run.__signature__ = signature  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+    return run
+
+
+def field_options(config_cls: type[EngineConfig], spelling: Mapping[str, ParameterInfo]) -> Iterator[GeneratedOption]:
+    for name, field in config_cls.model_fields.items():
+        if name == _PLUGIN_OPTIONS:
+            continue
+        hints = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flag = f"--{name.replace('_', '-')}"
+        annotation = _annotation(field.annotation, field.description, str(hints.get("cli_panel", _DEFAULT_PANEL)),
+                                 flag, _bounds(field), hints.get("cli_metavar"), spelling.get(name))
+        default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
+        yield GeneratedOption(_keyword(name, annotation, default), name, _shown_flag(spelling.get(name), flag, name))
+
+
+def plugin_options() -> Iterator[GeneratedOption]:
+    """An option per ``OptionSpec`` of the installed plugins (none when the plugin set is broken:
+    the engine reports that when it starts)."""
+    from tokenmill.errors import PluginError
+    from tokenmill.plugins.manager import get_plugin_manager
+    from tokenmill.plugins.options import plugin_option_specs
+
+    try:
+        specs = plugin_option_specs(get_plugin_manager())
+    except PluginError:
+        return
+    for index, (key, spec) in enumerate(specs.items()):
+        yield _plugin_option(index, key, spec)
+
+
+def _plugin_option(index: int, key: str, spec: OptionSpec) -> GeneratedOption:
+    plugin, _, name = key.rpartition(".")
+    flag = f"--{plugin.replace('_', '-')}.{name.replace('_', '-')}"
+    annotation = _annotation(spec.type, spec.help, _PLUGIN_PANEL, flag, {}, None, None)
+    return GeneratedOption(_keyword(f"plugin_option_{index}", annotation, spec.default), key, flag, is_plugin=True)
+
+
+def _annotation(annotation: Any, help_text: str | None, panel: str, flag: str, bounds: dict[str, float],
+                metavar: object, spelling: ParameterInfo | None) -> Any:
+    """``Annotated[type, typer.Option(...)]`` for one option: its click type from the annotation."""
+    inner = _without_none(annotation)
+    extra: dict[str, Any] = {}
+    if metavar is not None:  # the field's own validator reads the text
+        inner, extra = str, {"metavar": str(metavar)}
+    elif inner is bool:
+        flag = f"{flag}/--no-{flag.removeprefix('--')}"
+    elif inner in _SCALARS or get_origin(inner) is Literal:
+        extra = bounds
+    else:
+        inner, extra = str, {"metavar": "JSON", "parser": _json_parser(annotation)}
+    if spelling is None:
+        info = typer.Option(flag, help=help_text, rich_help_panel=panel, **extra)
+    else:  # the command's own spelling, completed from the field
+        info = copy(spelling)
+        is_option = isinstance(info, typer.models.OptionInfo)
+        for attribute, value in {"help": help_text, "rich_help_panel": panel if is_option else None, **extra}.items():
+            if getattr(info, attribute) is None:
+                setattr(info, attribute, value)
+    return Annotated[inner | None, info]  # type: ignore[operator]
+
+
+def _json_parser(annotation: Any) -> Callable[[Any], Any]:
+    """JSON text (or, from a YAML file, the value itself) validated as the field's type."""
+    adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+
+    def parse(value: Any) -> Any:
+        try:
+            return adapter.validate_json(value) if isinstance(value, str) else adapter.validate_python(value)
+        except ValidationError as exc:
+            raise ValueError(_reasons(exc)) from None
+
+    return parse
+
+
+def build_config(config_cls: type[EngineConfig], given: Mapping[GeneratedOption, Any],
+                 config_file: Path | None) -> EngineConfig:
+    """One ``config_cls`` from the values the user gave; a bad one is a ``BadParameter`` naming its option."""
+    fields = {o.key: value for o, value in given.items() if not o.is_plugin}
+    if plugin_values := {o.key: value for o, value in given.items() if o.is_plugin}:
+        fields[_PLUGIN_OPTIONS] = plugin_values
+    try:
+        return config_cls(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        flags = {o.key: o.flag for o in given}
+        loc = [str(part) for part in error["loc"]]
+        flag = flags.get(loc[-1] if loc[:1] == [_PLUGIN_OPTIONS] else loc[0], "") if loc else ""
+        origin = f" (set in {config_file})" if config_file is not None else ""
+        raise typer.BadParameter(f"{error['msg']}{origin}", param_hint=flag or None) from None
+
+
+def _keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _was_given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _shown_flag(spelling: ParameterInfo | None, flag: str, name: str) -> str:
+    """How an error names the option: its long flag, or the argument's name."""
+    if isinstance(spelling, typer.models.ArgumentInfo):
+        return name
+    decls = [d for d in (spelling.param_decls or ()) if d.startswith("--")] if spelling else []
+    default = spelling.default if spelling and isinstance(spelling.default, str) else ""
+    return next(iter(decls), default if default.startswith("--") else flag)
+
+
+def _without_none(annotation: Any) -> Any:
+    """``int | None`` -> ``int``; typer reads None as "not given" itself."""
+    if get_origin(annotation) in (Union, UnionType):
+        rest = [arg for arg in get_args(annotation) if arg is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return annotation
+
+
+def _bounds(field: FieldInfo) -> dict[str, float]:
+    """The field's ``ge``/``le`` as typer's ``min``/``max``, so the help shows the range."""
+    bounds: dict[str, float] = {}
+    for item in field.metadata:
+        if isinstance(item, annotated_types.Ge):
+            bounds["min"] = item.ge  # type: ignore[assignment]
+        elif isinstance(item, annotated_types.Le):
+            bounds["max"] = item.le  # type: ignore[assignment]
+    return bounds
+
+
+def _normalized(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _reasons(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg']}" for e in exc.errors())

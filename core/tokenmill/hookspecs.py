@@ -167,4 +167,18 @@ def tokenmill_default_model() -> str | None:
 
 @hookspec
 def tokenmill_add_options() -> list[OptionSpec] | None:
-    """Return namespaced options (``<plugin>.<name>``) for the CLI and ``LLM``."""
+    """Return the options this plugin adds to the engine, as :class:`OptionSpec` records.
+
+    Each ``OptionSpec(name, type, default, help)`` becomes the key ``"<plugin>.<name>"`` of
+    ``EngineConfig.plugin_options``, where ``<plugin>`` is the plugin's entry-point name:
+    ``LLM(..., plugin_options={"toy.greeting": "hi"})`` sets it from Python, and the
+    command-line option ``--<plugin>.<name>`` (underscores written as dashes in both parts,
+    e.g. ``--toy.greeting``; a ``bool`` is an on/off pair ``--x/--no-x``) or the same key in a
+    ``--config`` YAML file sets it from ``generate``, ``serve`` and ``bench throughput|latency``.
+
+    Called by the CLI when it builds those commands, and by the engine process at start-up,
+    after plugins load and before :func:`tokenmill_process_start`: the engine rejects a key no
+    plugin added or a value ``type`` rejects (``ConfigError``), fills in the defaults, and passes
+    the completed dict to every hook through ``config.plugin_options``. Collect hook; two
+    options of one plugin with the same name are an error.
+    """
