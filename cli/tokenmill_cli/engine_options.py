@@ -36,10 +36,12 @@ import annotated_types
 import typer
 from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
-from typer.models import ParameterInfo
+from typer.models import OptionInfo, ParameterInfo
 
 from tokenmill.config import EngineConfig
-from tokenmill.plugins.specs import OptionSpec
+from tokenmill.errors import PluginError
+from tokenmill.plugins.manager import get_plugin_manager
+from tokenmill.plugins.options import plugin_option_specs
 from tokenmill_cli.config_file import config_file_parameter
 
 _DEFAULT_PANEL = "Engine"
@@ -53,13 +55,12 @@ MODEL_OPTION = typer.Option("--model", "-m")
 MODEL_ARGUMENT = typer.Argument()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared (and hashed) by identity: a default may be a dict
 class GeneratedOption:
     """One generated parameter and where its value goes: a field, or a plugin option's key."""
 
     parameter: inspect.Parameter
     key: str
-    flag: str
     is_plugin: bool = False
 
 
@@ -70,61 +71,71 @@ def engine_command(command: Callable[..., Any], config_cls: type[EngineConfig] =
     own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "engine"]
     if clashes := {p.name for p in own} & {o.parameter.name for o in options}:
         raise TypeError(f"{command.__name__} declares {sorted(clashes)}, which are engine options")
-    keys = {p.name: p.name for p in own} | {_normalized(o.key): o.parameter.name for o in options}
+    file_keys = {p.name: p.name for p in own} | {o.key.replace("-", "_"): o.parameter.name for o in options}
 
     @functools.wraps(command)
     def run(**values: Any) -> Any:
-        ctx, config_file = values.pop(_CONTEXT), values.pop("config_file")
-        given = {o: values.pop(o.parameter.name) for o in options if _was_given(ctx, o.parameter.name)}
-        for option in options:
-            values.pop(option.parameter.name, None)
-        engine = build_config(config_cls, given, config_file)
-        return command(engine=engine, **values)
+        ctx = values.pop(_CONTEXT)
+        values.pop("config_file")  # read already: its values came in as the options' defaults
+        engine_values = {o: values.pop(o.parameter.name) for o in options}
+        given = {o: value for o, value in engine_values.items() if _was_given(ctx, o.parameter.name)}
+        return command(engine=build_config(config_cls, given, ctx), **values)
 
     context = inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
-    signature = inspect.Signature([*own, context, config_file_parameter(keys), *(o.parameter for o in options)])
+    signature = inspect.Signature([*own, context, config_file_parameter(file_keys), *(o.parameter for o in options)])
     run.__signature__ = signature  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
     return run
 
 
 def field_options(config_cls: type[EngineConfig], spelling: Mapping[str, ParameterInfo]) -> Iterator[GeneratedOption]:
+    """An option per field of ``config_cls`` (the plugin options stand in for ``plugin_options``)."""
     for name, field in config_cls.model_fields.items():
         if name == _PLUGIN_OPTIONS:
             continue
         hints = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        flag = f"--{name.replace('_', '-')}"
-        annotation = _annotation(field.annotation, field.description, str(hints.get("cli_panel", _DEFAULT_PANEL)),
-                                 flag, _bounds(field), hints.get("cli_metavar"), spelling.get(name))
+        annotation = _annotation(field.annotation, f"--{name.replace('_', '-')}", field.description,
+                                 str(hints.get("cli_panel", _DEFAULT_PANEL)), _bounds(field),
+                                 hints.get("cli_metavar"), spelling.get(name))
         default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
-        yield GeneratedOption(_keyword(name, annotation, default), name, _shown_flag(spelling.get(name), flag, name))
+        yield GeneratedOption(_keyword(name, annotation, default), name)
 
 
 def plugin_options() -> Iterator[GeneratedOption]:
-    """An option per ``OptionSpec`` of the installed plugins (none when the plugin set is broken:
-    the engine reports that when it starts)."""
-    from tokenmill.errors import PluginError
-    from tokenmill.plugins.manager import get_plugin_manager
-    from tokenmill.plugins.options import plugin_option_specs
-
+    """An option per ``OptionSpec`` of the installed plugins: ``--<plugin>.<name>`` (none when the
+    plugin set is broken: the engine reports that when it starts)."""
     try:
         specs = plugin_option_specs(get_plugin_manager())
     except PluginError:
         return
     for index, (key, spec) in enumerate(specs.items()):
-        yield _plugin_option(index, key, spec)
+        plugin, _, name = key.rpartition(".")
+        flag = f"--{plugin.replace('_', '-')}.{name.replace('_', '-')}"
+        annotation = _annotation(spec.type, flag, spec.help, _PLUGIN_PANEL, {}, None, None)
+        yield GeneratedOption(_keyword(f"plugin_option_{index}", annotation, spec.default), key, is_plugin=True)
 
 
-def _plugin_option(index: int, key: str, spec: OptionSpec) -> GeneratedOption:
-    plugin, _, name = key.rpartition(".")
-    flag = f"--{plugin.replace('_', '-')}.{name.replace('_', '-')}"
-    annotation = _annotation(spec.type, spec.help, _PLUGIN_PANEL, flag, {}, None, None)
-    return GeneratedOption(_keyword(f"plugin_option_{index}", annotation, spec.default), key, flag, is_plugin=True)
+def build_config(config_cls: type[EngineConfig], given: Mapping[GeneratedOption, Any],
+                 ctx: typer.Context) -> EngineConfig:
+    """One ``config_cls`` from the values the user gave; a bad one is a ``BadParameter`` naming its option."""
+    fields = {o.key: value for o, value in given.items() if not o.is_plugin}
+    if plugin_values := {o.key: value for o, value in given.items() if o.is_plugin}:
+        fields[_PLUGIN_OPTIONS] = plugin_values
+    try:
+        return config_cls(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error["loc"]]
+        key = loc[-1] if loc[:1] == [_PLUGIN_OPTIONS] else loc[0] if loc else ""
+        name = next((o.parameter.name for o in given if o.key == key), None)
+        param: Any = next((p for p in ctx.command.params if p.name == name), None)
+        raise typer.BadParameter(error["msg"], ctx=ctx, param=param) from None
 
 
-def _annotation(annotation: Any, help_text: str | None, panel: str, flag: str, bounds: dict[str, float],
+def _annotation(annotation: Any, flag: str, help_text: str | None, panel: str, bounds: dict[str, float],
                 metavar: object, spelling: ParameterInfo | None) -> Any:
-    """``Annotated[type, typer.Option(...)]`` for one option: its click type from the annotation."""
+    """``Annotated[type, typer.Option(...)]`` for one option, its click type read from ``annotation``:
+    a bool is an on/off pair, a scalar or Literal keeps its type, anything else takes JSON."""
     inner = _without_none(annotation)
     extra: dict[str, Any] = {}
     if metavar is not None:  # the field's own validator reads the text
@@ -139,8 +150,8 @@ def _annotation(annotation: Any, help_text: str | None, panel: str, flag: str, b
         info = typer.Option(flag, help=help_text, rich_help_panel=panel, **extra)
     else:  # the command's own spelling, completed from the field
         info = copy(spelling)
-        is_option = isinstance(info, typer.models.OptionInfo)
-        for attribute, value in {"help": help_text, "rich_help_panel": panel if is_option else None, **extra}.items():
+        panel_if_option = panel if isinstance(info, OptionInfo) else None
+        for attribute, value in {"help": help_text, "rich_help_panel": panel_if_option, **extra}.items():
             if getattr(info, attribute) is None:
                 setattr(info, attribute, value)
     return Annotated[inner | None, info]  # type: ignore[operator]
@@ -154,26 +165,10 @@ def _json_parser(annotation: Any) -> Callable[[Any], Any]:
         try:
             return adapter.validate_json(value) if isinstance(value, str) else adapter.validate_python(value)
         except ValidationError as exc:
-            raise ValueError(_reasons(exc)) from None
+            reasons = (f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg']}" for e in exc.errors())
+            raise ValueError("; ".join(reasons)) from None
 
     return parse
-
-
-def build_config(config_cls: type[EngineConfig], given: Mapping[GeneratedOption, Any],
-                 config_file: Path | None) -> EngineConfig:
-    """One ``config_cls`` from the values the user gave; a bad one is a ``BadParameter`` naming its option."""
-    fields = {o.key: value for o, value in given.items() if not o.is_plugin}
-    if plugin_values := {o.key: value for o, value in given.items() if o.is_plugin}:
-        fields[_PLUGIN_OPTIONS] = plugin_values
-    try:
-        return config_cls(**fields)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        flags = {o.key: o.flag for o in given}
-        loc = [str(part) for part in error["loc"]]
-        flag = flags.get(loc[-1] if loc[:1] == [_PLUGIN_OPTIONS] else loc[0], "") if loc else ""
-        origin = f" (set in {config_file})" if config_file is not None else ""
-        raise typer.BadParameter(f"{error['msg']}{origin}", param_hint=flag or None) from None
 
 
 def _keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -181,17 +176,9 @@ def _keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 
 
 def _was_given(ctx: typer.Context, name: str) -> bool:
+    """On the command line, in the environment or in the --config file: not left at its default."""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name != "DEFAULT"
-
-
-def _shown_flag(spelling: ParameterInfo | None, flag: str, name: str) -> str:
-    """How an error names the option: its long flag, or the argument's name."""
-    if isinstance(spelling, typer.models.ArgumentInfo):
-        return name
-    decls = [d for d in (spelling.param_decls or ()) if d.startswith("--")] if spelling else []
-    default = spelling.default if spelling and isinstance(spelling.default, str) else ""
-    return next(iter(decls), default if default.startswith("--") else flag)
 
 
 def _without_none(annotation: Any) -> Any:
@@ -212,11 +199,3 @@ def _bounds(field: FieldInfo) -> dict[str, float]:
         elif isinstance(item, annotated_types.Le):
             bounds["max"] = item.le  # type: ignore[assignment]
     return bounds
-
-
-def _normalized(key: str) -> str:
-    return key.replace("-", "_")
-
-
-def _reasons(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg']}" for e in exc.errors())
