@@ -76,8 +76,9 @@ def _finish(result: dict[str, Any], *json_paths: Path | None) -> None:
 
 
 def _model_and_kwargs(engine: EngineConfig) -> tuple[str | None, dict[str, Any]]:
-    """The model, and the other options the user set (the backends take them apart)."""
-    kwargs = engine.model_dump(exclude_unset=True)
+    """The model apart (the backends take it so), and every other option that has a value: the
+    result's ``engine_args`` records what the engine ran with, defaults included."""
+    kwargs = {name: value for name, value in engine.model_dump().items() if value is not None}
     return kwargs.pop("model", None), kwargs
 
 
