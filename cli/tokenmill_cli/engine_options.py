@@ -28,6 +28,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from copy import copy
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -135,14 +136,14 @@ def build_config(config_cls: type[EngineConfig], given: Mapping[GeneratedOption,
 def _annotation(annotation: Any, flag: str, help_text: str | None, panel: str, bounds: dict[str, float],
                 metavar: object, spelling: ParameterInfo | None) -> Any:
     """``Annotated[type, typer.Option(...)]`` for one option, its click type read from ``annotation``:
-    a bool is an on/off pair, a scalar or Literal keeps its type, anything else takes JSON."""
+    a bool is an on/off pair, a scalar, Literal or Enum keeps its type, anything else takes JSON."""
     inner = _without_none(annotation)
     extra: dict[str, Any] = {}
     if metavar is not None:  # the field's own validator reads the text
         inner, extra = str, {"metavar": str(metavar)}
     elif inner is bool:
         flag = f"{flag}/--no-{flag.removeprefix('--')}"
-    elif inner in _SCALARS or get_origin(inner) is Literal:
+    elif inner in _SCALARS or get_origin(inner) is Literal or (isinstance(inner, type) and issubclass(inner, Enum)):
         extra = bounds
     else:
         inner, extra = str, {"metavar": "JSON", "parser": _json_parser(annotation)}

@@ -18,6 +18,7 @@ _NAMED_HOOKS = {
     "tokenmill_register_reasoning_parsers": "reasoning-parser",
     "tokenmill_register_structured_output_backends": "structured-output",
     "tokenmill_default_model": "default-model",
+    "tokenmill_add_options": "options",
 }
 
 
