@@ -68,6 +68,8 @@ class GeneratedOption:
 def engine_command(command: Callable[..., Any], config_cls: type[EngineConfig] = EngineConfig,
                    **spelling: ParameterInfo) -> Callable[..., Any]:
     """``command`` as typer sees it: engine options in place of its ``engine`` parameter."""
+    if unknown := set(spelling) - set(config_cls.model_fields):
+        raise TypeError(f"{command.__name__} spells {sorted(unknown)}, which are not fields of {config_cls.__name__}")
     options = [*field_options(config_cls, spelling), *plugin_options()]
     own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "engine"]
     if clashes := {p.name for p in own} & {o.parameter.name for o in options}:
