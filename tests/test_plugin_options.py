@@ -37,7 +37,7 @@ def test_resolving_fills_defaults_and_checks_types(toy_specs):
 
 
 def test_a_key_without_plugin_and_name_is_refused_by_the_config():
-    with pytest.raises(ValidationError, match="<plugin>.<name>"):
+    with pytest.raises(ValidationError, match=r"<plugin>\.<name>"):
         EngineConfig(plugin_options={"greeting": "hi"})
 
 
