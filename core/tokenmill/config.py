@@ -83,6 +83,10 @@ class EngineConfig(BaseModel):
                               "can capture one", json_schema_extra=cli(_RUN))
     attention_backend: str | None = Field(None, description="Force an attention backend by name",
                                           json_schema_extra=cli(_RUN))
+    quantization: str | None = Field(
+        None, description="Quantization method, by its registered name or checkpoint alias (see `tokenmill plugins`; "
+                          "default: the one the checkpoint declares, in config.json's quantization_config or its "
+                          "single-file format, if any)", json_schema_extra=cli(_MODEL))
     structured_outputs_backend: str = Field(
         "xgrammar", description="Structured-output backend, by its registered name (see `tokenmill plugins`)",
         json_schema_extra=cli(_RUN))

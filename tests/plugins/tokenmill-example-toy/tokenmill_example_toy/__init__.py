@@ -4,8 +4,7 @@
 import logging
 from typing import Any
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import ModelSpec, OptionSpec
+from tokenmill.plugin_api import ModelSpec, OptionSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 
