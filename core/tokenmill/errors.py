@@ -62,3 +62,8 @@ class QueueFullError(TokenmillError, RuntimeError):
     def __init__(self, message: str, limit: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class ConfigError(TokenmillError, ValueError):
+    """An engine option the installed plugins do not accept: an unknown ``plugin_options`` key,
+    or a value of the wrong type for it."""

@@ -32,7 +32,8 @@ calls the hooks in this order, each in the process named:
 
 1. the CLI, building the options of a command that starts an engine:
    :func:`tokenmill_add_options`;
-2. engine process: :func:`tokenmill_detect_platform`, then the platform's
+2. engine process: :func:`tokenmill_add_options` (checking ``plugin_options``),
+   then :func:`tokenmill_detect_platform`, then the platform's
    ``configure_process``, then :func:`tokenmill_process_start` (``role="engine"``);
 3. engine process, when no model is named: :func:`tokenmill_default_model`;
 4. reading the checkpoint: :func:`tokenmill_register_quantization_methods`
@@ -145,15 +146,23 @@ def tokenmill_add_options() -> list[OptionSpec] | None:
     """Declare namespaced options (``<plugin>.<name>``) for the CLI and ``LLM(...)``.
 
     :returns: :class:`~tokenmill.plugins.specs.OptionSpec` records (name, type,
-        default, help).
+        default, help). Each is the key ``"<plugin>.<name>"`` of
+        ``EngineConfig.plugin_options`` (``<plugin>``: the plugin's entry-point name),
+        set from Python as ``LLM(..., plugin_options={"toy.greeting": "hi"})`` and on
+        the command line as ``--<plugin>.<name>`` — underscores written as dashes in
+        both parts (``--toy.greeting hi``), a ``bool`` as an on/off pair
+        ``--x/--no-x`` — or as that key in a ``--config`` YAML file.
 
     Called: by the CLI when a command that starts an engine (``generate``,
-    ``serve``, ``bench``) builds its options, so they appear in its ``--help``;
-    the values given are validated against the specs into
-    ``EngineConfig.plugin_options``, where the plugin reads them (for example in
+    ``serve``, ``bench throughput|latency``) builds its options, so they appear in
+    its ``--help``; and in the engine process once plugins load, before
+    :func:`tokenmill_detect_platform`, which checks ``plugin_options`` against the
+    specs — a key no plugin declares, or a value its ``type`` rejects, is a
+    ``ConfigError`` naming the key — and fills in the defaults, so every later hook
+    reads ``config.plugin_options["<plugin>.<name>"]`` (for example
     :func:`tokenmill_process_start`).
 
-    Default: none. Collect hook; two plugins declaring one name is an error.
+    Default: none. Collect hook; one plugin declaring a name twice is an error.
     """
 
 

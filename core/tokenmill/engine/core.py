@@ -17,6 +17,7 @@ from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import default_model, load_checkpoint
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutputs
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -32,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, progress: bool = False) -> None:
-        self.config = config
         self.plugins = plugins or get_plugin_manager(strict=config.strict_plugins)
+        # plugin options checked against what the plugins add, defaults filled in, before any plugin reads them
+        options = resolve_plugin_options(config.plugin_options, plugin_option_specs(self.plugins))
+        self.config = config = config.model_copy(update={"plugin_options": options})
         self.platform: Platform = detect_platform(self.plugins)
         self.platform.configure_process(config)
         self.plugins.hook.tokenmill_process_start(role="engine", rank=0, config=config)

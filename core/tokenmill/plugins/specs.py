@@ -111,7 +111,12 @@ class KVConnectorSpec:
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """A namespaced option a plugin adds to the CLI and ``LLM(...)``."""
+    """A namespaced option a plugin adds to the CLI and ``LLM(...)`` (``tokenmill_add_options``).
+
+    Its value lives in ``EngineConfig.plugin_options["<plugin>.<name>"]``, validated as ``type``
+    (by pydantic: ``int``, ``float``, ``str``, ``bool``, or a dict/list/model type read as JSON on
+    the command line); ``default`` is used when nobody sets it, ``help`` is the option's help text.
+    """
 
     name: str
     type: type = str
