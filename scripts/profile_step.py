@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,12 +57,12 @@ def main() -> None:
 
 
 def _print_graph_kernels(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> None:
-    graphs = getattr(getattr(llm.engine.core.executor, "runner", None), "graphs", None)
-    if graphs is None:
+    executor = llm.engine.core.executor
+    profile = KernelProfile()
+    if not executor.collective_rpc(_set_kernel_profile, (profile,))[0]:
         return
-    graphs.kernel_profile = profile = KernelProfile()
     llm.generate(_prompts(args, seed=3), params, use_tqdm=False)
-    graphs.kernel_profile = None
+    executor.collective_rpc(_set_kernel_profile, (None,))
     if not profile.steps:
         print("no decode step replayed a graph that times its kernels")
         return
@@ -71,6 +72,16 @@ def _print_graph_kernels(llm: LLM, args: argparse.Namespace, params: SamplingPar
         calls = profile.calls[name]
         print(f"  {name:20s} {seconds / profile.steps * 1e3:8.3f} ms/replay  {calls / profile.steps:5.0f} calls"
               f"  {seconds / calls * 1e6:9.1f} us/call  {seconds / total:6.1%}")
+
+
+def _set_kernel_profile(worker: Any, profile: KernelProfile | None) -> bool:
+    """On the worker: time the step graphs' kernels into ``profile`` (in-process executors only:
+    the profile is filled where the worker runs); False where no step graphs run."""
+    graphs = worker.runner.graphs
+    if graphs is None:
+        return False
+    graphs.kernel_profile = profile
+    return True
 
 
 def _prompts(args: argparse.Namespace, seed: int) -> list[dict]:

@@ -17,8 +17,9 @@ def engine(llama_path):
     engine.shutdown()
 
 
-def _kv(engine: AsyncLLM):
-    return engine.engine.core.kv_manager
+def _all_blocks_free(engine: AsyncLLM) -> bool:
+    stats = engine.scheduler_stats()
+    return stats.kv_blocks_free == stats.kv_blocks_total
 
 
 async def _collect(engine, prompt, params, request_id=None):
@@ -44,7 +45,7 @@ def test_concurrent_requests_all_finish(engine):
 
     results = asyncio.run(run())
     assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 8 for r in results)
-    assert _kv(engine).num_free_blocks == _kv(engine).num_blocks
+    assert _all_blocks_free(engine)
 
 
 def test_abort_ends_the_request_and_frees_blocks(engine):
@@ -61,7 +62,7 @@ def test_abort_ends_the_request_and_frees_blocks(engine):
     first, rest = asyncio.run(run())
     assert not first.finished
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
-    assert _kv(engine).num_free_blocks == _kv(engine).num_blocks
+    assert _all_blocks_free(engine)
 
 
 def test_consumer_leaving_early_aborts(engine):
@@ -77,7 +78,7 @@ def test_consumer_leaving_early_aborts(engine):
         return False
 
     assert asyncio.run(run())
-    assert _kv(engine).num_free_blocks == _kv(engine).num_blocks
+    assert _all_blocks_free(engine)
 
 
 def test_bad_input_raises_at_once_and_engine_goes_on(engine):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from worker_probe import attention_backend
 
 from tokenmill import LLM, PluginError
 
 
 def _backend(llm: LLM) -> str:
-    return llm.engine.core.executor.runner.backend.name
+    return attention_backend(llm)
 
 
 def test_cpu_prefers_the_paged_kernel(llama_path):

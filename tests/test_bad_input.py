@@ -46,11 +46,11 @@ def test_token_ids_outside_the_vocabulary(llm):
 
 
 def test_a_bad_prompt_in_a_batch_runs_none_and_leaks_nothing(llm):
-    kv = llm.engine.core.kv_manager
     with pytest.raises(InvalidRequestError):
         llm.generate([{"prompt_token_ids": [5, 6]}, ""])
     assert not llm.engine.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_blocks
+    stats = llm.engine.core.make_stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     _ok(llm)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from test_golden import ARCHS, _prompts
+from worker_probe import attention_backend
 
 from tokenmill import LLM, SamplingParams
 
@@ -21,7 +22,7 @@ def test_bfloat16_decode_stays_close_to_float32(arch, model_factory):
     path = model_factory(arch)
     prompt = _prompts(7, count=4)[-1]
     bf16 = LLM(str(path), dtype="bfloat16", max_model_len=128, kv_cache_memory="16MiB")
-    assert bf16.engine.core.executor.runner.backend.name == "cpu-paged"
+    assert attention_backend(bf16) == "cpu-paged"
     completion = bf16.generate({"prompt_token_ids": prompt},
                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))[0].outputs[0]
     tokens = list(completion.token_ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_golden import ARCHS, _assert_matches, _greedy, _prompts, reference  # noqa: F401  (fixture)
+from worker_probe import on_rank_zero
 
 from tokenmill import LLM, SamplingParams
 
@@ -20,17 +21,21 @@ pytestmark = [
 KV = "64MiB"
 
 
+def _kv_cache_device(worker) -> str:
+    return worker.runner.kv_caches[0][0].device.type
+
+
 def _cuda_llm(path, **overrides) -> LLM:
     options = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": KV} | overrides
     llm = LLM(str(path), **options)
-    assert llm.engine.core.platform.name == "cuda"
+    assert llm.engine.model_info.device_type == "cuda"
     return llm
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_on_cuda_matches_transformers(arch, model_factory, reference):  # noqa: F811
     llm = _cuda_llm(model_factory(arch))
-    assert llm.engine.core.executor.runner.kv_caches[0][0].device.type == "cuda"
+    assert on_rank_zero(llm, _kv_cache_device) == "cuda"
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
     _assert_matches(outputs, reference(arch, (1,)))
 
@@ -46,9 +51,9 @@ def test_chunked_prefill_prefix_caching_and_preemption_on_cuda(model_factory, re
 
     tight = _cuda_llm(path, num_kv_blocks=10)
     outputs = tight.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
-    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler_stats.num_preemptions > 0
     _assert_matches(outputs, reference("llama", (1,)))
-    assert tight.engine.core.kv_manager.num_free_blocks == 10
+    assert tight.engine.scheduler_stats.kv_blocks_free == 10
 
 
 def test_seeded_sampling_on_cuda_ignores_the_batch(llama_path):
@@ -67,7 +72,7 @@ def test_bfloat16_default_stays_close_to_float32(llama_path):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     prompt = {"prompt_token_ids": _prompts(3, count=8)[-1]}
     bf16 = LLM(str(llama_path), max_model_len=128, kv_cache_memory=KV)
-    assert bf16.engine.core.dtype == torch.bfloat16
+    assert bf16.engine.model_info.dtype == "bfloat16"
     f32 = _cuda_llm(llama_path)
     low, high = (llm.generate(prompt, params)[0].prompt_logprobs[1:] for llm in (bf16, f32))
     ids = prompt["prompt_token_ids"][1:]
@@ -77,8 +82,7 @@ def test_bfloat16_default_stays_close_to_float32(llama_path):
 
 def test_kv_cache_sized_from_free_device_memory(llama_path):
     llm = LLM(str(llama_path), max_model_len=128, gpu_memory_utilization=0.2)
-    cache = llm.engine.core.executor.runner.kv_caches[0][0]
-    assert cache.device.type == "cuda"
+    assert on_rank_zero(llm, _kv_cache_device) == "cuda"
     total = torch.cuda.get_device_properties(0).total_memory
-    used = llm.engine.core.num_kv_blocks * llm.engine.core.executor.kv_bytes_per_block()
+    used = llm.engine.model_info.num_kv_blocks * on_rank_zero(llm, "kv_bytes_per_block")
     assert 0 < used <= 0.2 * total

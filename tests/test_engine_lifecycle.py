@@ -30,11 +30,11 @@ LONG = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
 
 
 def _assert_engine_clean(engine: LLMEngine) -> None:
-    core = engine.core
-    assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
-    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
-    assert engine.output_processor.num_unfinished == 0
-    assert len(engine.deadlines) == 0
+    stats = engine.core.make_stats()
+    assert not engine.core.has_unfinished_requests() and stats.num_running == stats.num_waiting == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert engine.num_unfinished_requests == 0
+    assert engine.num_deadlines == 0
 
 
 async def _final(llm: AsyncLLM, prompt, params: SamplingParams, **kwargs):
@@ -166,7 +166,7 @@ def test_abort_all_ends_every_request(llm):
     async def scenario():
         streams = [llm.generate({"prompt_token_ids": [5 + i]}, LONG) for i in range(3)]
         tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
-        await _wait_until(lambda: llm.engine.core.scheduler.running)
+        await _wait_until(lambda: llm.scheduler_stats().num_running)
         aborted = await llm.abort_all("shutting down")
         return aborted, await asyncio.gather(*tasks)
 
@@ -187,7 +187,7 @@ def test_per_request_timeout_ends_a_queued_request_with_finish_reason_timeout(ll
     """One sequence slot: the timed request waits behind a 240-token blocker and times out first."""
     async def scenario():
         blocker = asyncio.ensure_future(_final(llm, {"prompt_token_ids": [5, 6]}, LONG))
-        await _wait_until(lambda: llm.engine.core.scheduler.running)
+        await _wait_until(lambda: llm.scheduler_stats().num_running)
         start = time.monotonic()
         timed = await _final(llm, {"prompt_token_ids": [7, 8]}, LONG, timeout=0.05)
         elapsed = time.monotonic() - start
@@ -344,7 +344,7 @@ def test_an_engine_failure_fails_every_stream_at_once(fault_model_path):
 
     async def scenario():
         healthy = [asyncio.ensure_future(consume([5 + i])) for i in range(3)]
-        await _wait_until(lambda: len(llm.engine.core.scheduler.running) == 3)
+        await _wait_until(lambda: llm.scheduler_stats().num_running == 3)
         start = time.monotonic()
         poisoned = await consume([9, RAISE_TOKEN])
         errors = await asyncio.gather(*healthy)

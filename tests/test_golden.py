@@ -6,6 +6,7 @@ import random
 
 import pytest
 from tiny_models import hf_greedy
+from worker_probe import attention_backend, graph_batch_sizes
 
 from tokenmill import LLM, SamplingParams
 
@@ -50,13 +51,12 @@ def reference(model_factory):
 def test_greedy_matches_transformers(arch, backend, model_factory, reference):
     llm = LLM(str(model_factory(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
               attention_backend=backend)
-    assert llm.engine.core.executor.runner.backend.name == backend
+    assert attention_backend(llm) == backend
     prompts = _prompts(1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     _assert_matches(outputs, reference(arch, (1,)))
-    graphs = llm.engine.core.executor.runner.graphs
     # the CPU kernels' decode steps ran as a step graph (captured once, then replayed); SDPA's never do
-    assert (graphs.batch_sizes if graphs else []) == ([8] if backend == "cpu-paged" else [])
+    assert (graph_batch_sizes(llm) or []) == ([8] if backend == "cpu-paged" else [])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
@@ -77,8 +77,7 @@ def test_prefix_caching_hits_and_matches(arch, model_factory, reference):
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], _greedy())
     _assert_matches(first + rest, expected)
     assert all(out.num_cached_tokens >= 32 for out in rest), [o.num_cached_tokens for o in rest]
-    stats = llm.engine.core.kv_manager.prefix_cache_stats
-    assert stats.hits >= 32 * len(rest)
+    assert llm.engine.scheduler_stats.prefix_cache_hits >= 32 * len(rest)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -86,9 +85,9 @@ def test_preemption_recomputes_exactly(arch, model_factory, reference):
     # 10 blocks of 16 tokens: 8 prompts of up to 72 tokens cannot all stay resident.
     llm = LLM(str(model_factory(arch)), dtype="float32", max_model_len=128, num_kv_blocks=10)
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler_stats.num_preemptions > 0
     _assert_matches(outputs, reference(arch, (1,)))
-    assert llm.engine.core.kv_manager.num_free_blocks == 10
+    assert llm.engine.scheduler_stats.kv_blocks_free == 10
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -104,4 +103,4 @@ def test_step_graphs_match_at_every_batch_size(arch, model_factory, reference):
     expected = [(tokens[:n], logprobs[:n]) for (tokens, logprobs), n in zip(reference(arch, (1,)), max_tokens,
                                                                          strict=True)]
     _assert_matches(outputs, expected)
-    assert llm.engine.core.executor.runner.graphs.batch_sizes == [1, 2, 4, 6, 8]
+    assert graph_batch_sizes(llm) == [1, 2, 4, 6, 8]

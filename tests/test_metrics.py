@@ -75,4 +75,4 @@ def test_prefix_cache_and_preemption_counters(llama_path):
         engine.add_request(f"p{i}", {"prompt_token_ids": [50 + i] * 20}, SamplingParams(max_tokens=30,
                                                                                        ignore_eos=True))
     _run(engine)
-    assert _samples(registry)[("tokenmill:num_preemptions_total", ())] == engine.core.scheduler.num_preemptions > 0
+    assert _samples(registry)[("tokenmill:num_preemptions_total", ())] == engine.scheduler_stats.num_preemptions > 0

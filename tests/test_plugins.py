@@ -8,6 +8,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import pytest
 from tiny_models import hf_greedy
+from worker_probe import on_rank_zero
 
 from tokenmill import LLM, PluginError, SamplingParams, UnsupportedModelError
 from tokenmill.hookspecs import ExperimentalHookWarning, hookimpl, is_experimental
@@ -31,12 +32,16 @@ def toy_checkpoint(model_factory, tmp_path_factory):
     return folder
 
 
+def _model_module(worker) -> str:
+    return type(worker.runner.model).__module__
+
+
 def test_third_party_model_plugin_generates_like_transformers(toy_checkpoint, model_factory):
     ep = _installed("toy")
     assert ep.dist is not None and ep.dist.name == "tokenmill-example-toy"
     prompts = [[5, 17, 33, 8, 91], [120, 7, 7, 300, 41, 2, 99, 14, 250]]
     llm = LLM(str(toy_checkpoint), max_model_len=64, kv_cache_memory="8MiB")
-    assert type(llm.engine.core.executor.runner.model).__module__ == "tokenmill_example_toy.model"
+    assert on_rank_zero(llm, _model_module) == "tokenmill_example_toy.model"
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     expected = hf_greedy(model_factory("llama"), prompts, 8)

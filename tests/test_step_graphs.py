@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from worker_probe import runner
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker.step_graphs import KernelProfile
@@ -31,7 +32,7 @@ def _engine(path, **options) -> LLM:
 
 
 def _runner(llm: LLM):
-    return llm.engine.core.executor.runner
+    return runner(llm)
 
 
 def test_sampling_through_graphs_matches_eager(llama_path):

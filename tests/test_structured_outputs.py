@@ -126,7 +126,7 @@ def test_preempted_constrained_requests_resume_their_grammar(llama_path):
     params = [_params(max_tokens=100, json=SCHEMAS["optional_fields"], disable_any_whitespace=True)] * 6
     for text in _finished_texts(llm.generate(prompts, params)):
         _check_json(text, SCHEMAS["optional_fields"])
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler_stats.num_preemptions > 0
 
 
 @pytest.mark.parametrize(("constraint", "param"), [

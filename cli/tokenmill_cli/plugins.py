@@ -33,7 +33,7 @@ def list_plugins(
         table.add_column(column)
     for name, info in sorted(manager.infos.items()):
         hooks = ", ".join(_hook_label(h) for h in manager.hooks_of(name))
-        table.add_row(name, info.distribution, info.version, hooks, "; ".join(registered.get(name, [])))
+        table.add_row(name, info.distribution, info.version, hooks, "\n".join(registered.get(name, [])))  # one hook a line
     console = Console(width=160)
     console.print(table)
     console.print(_hooks_table(manager))

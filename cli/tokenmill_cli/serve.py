@@ -93,7 +93,7 @@ def _run(engine: Any, model: str | None, host: str, port: int, api_key: str | No
     from tokenmill_cli.server import ServerSettings, build_app
     from tokenmill_cli.server.graceful import GracefulServer
 
-    checkpoint_path = Path(engine.engine.core.checkpoint.path)
+    checkpoint_path = Path(engine.model_info.path)
     settings = ServerSettings(
         served_model_names=served_model_name or [model or default_served_name(checkpoint_path)],
         model_root=str(checkpoint_path), api_key=api_key or None, chat_template=chat_template, **operations)

@@ -169,15 +169,16 @@ def test_a_compiling_grammar_blocks_no_one_and_gets_a_bitmask_once_ready(tokeniz
         scheduler.add_request(_request("u"))
         assert scheduler.requests["c"].status == RequestStatus.WAITING_FOR_GRAMMAR
         out = scheduler.schedule()
-        assert list(out.num_scheduled_tokens) == ["u"] and out.grammar is None
+        assert list(out.num_scheduled_tokens) == ["u"] and scheduler.grammar_bitmask(out) is None
         scheduler.update_from_output(out, ModelRunnerOutput(sampled={"u": [9]}))
     finally:
         GatedBackend.gate.set()
     manager.wait_for_any(10)
     out = scheduler.schedule()
     assert set(out.num_scheduled_tokens) == {"u", "c"}
-    assert out.grammar is not None and list(out.grammar.rows) == ["c"]
-    allowed = {t for t in range(VOCAB) if (int(out.grammar.bitmask[0, t // 32]) >> (t % 32)) & 1}
+    grammar = scheduler.grammar_bitmask(out)
+    assert grammar is not None and list(grammar.rows) == ["c"]
+    allowed = {t for t in range(VOCAB) if (int(grammar.bitmask[0, t // 32]) >> (t % 32)) & 1}
     assert _text_ids(tokenizer, "yes")[0] in allowed and EOS not in allowed
 
 

@@ -83,6 +83,9 @@ class EngineConfig(BaseModel):
                               "can capture one", json_schema_extra=cli(_RUN))
     attention_backend: str | None = Field(None, description="Force an attention backend by name",
                                           json_schema_extra=cli(_RUN))
+    distributed_executor_backend: str = Field(
+        "uni", description="Executor that runs the model's workers, by its registered name (see `tokenmill plugins`; "
+                           "default: uni, one worker in the engine's own process)", json_schema_extra=cli(_RUN))
     quantization: str | None = Field(
         None, description="Quantization method, by its registered name or checkpoint alias (see `tokenmill plugins`; "
                           "default: the one the checkpoint declares, in config.json's quantization_config or its "

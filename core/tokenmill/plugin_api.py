@@ -38,7 +38,7 @@ from tokenmill.plugins.specs import (
 if TYPE_CHECKING:
     from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
     from tokenmill.config import EngineConfig, parse_size
-    from tokenmill.executor import Executor
+    from tokenmill.executor import Executor, UniProcExecutor
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
         DeviceKVAllocator,
@@ -63,13 +63,17 @@ if TYPE_CHECKING:
         ToolParser,
     )
     from tokenmill.worker.host_memory import lazy_zeros
+    from tokenmill.worker.spec import WorkerSpec
+    from tokenmill.worker.worker import Worker
 
 # name -> the internal module it is defined in, imported on first use
 _LAZY = {
     **dict.fromkeys(["AttentionBackend", "AttentionMetadata", "AttentionRequirements", "KVCache"],
                     "tokenmill.attention"),
     **dict.fromkeys(["EngineConfig", "parse_size"], "tokenmill.config"),
-    "Executor": "tokenmill.executor",
+    **dict.fromkeys(["Executor", "UniProcExecutor"], "tokenmill.executor"),
+    "WorkerSpec": "tokenmill.worker.spec",
+    "Worker": "tokenmill.worker.worker",
     **dict.fromkeys(["Checkpoint", "WeightsIterator"], "tokenmill.model_loader.checkpoint"),
     **dict.fromkeys(["DeviceKVAllocator", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
                      "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine"], "tokenmill.platform"),
@@ -128,8 +132,11 @@ __all__ = [
     # checkpoints (single-file formats)
     "Checkpoint",
     "WeightsIterator",
-    # executors
+    # executors and the workers they run
     "Executor",
+    "UniProcExecutor",
+    "Worker",
+    "WorkerSpec",
     # structured-output backends
     "GrammarMatcher",
     "StructuredOutputBackend",

@@ -23,17 +23,18 @@ class TokenmillBackend:
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], batch_size: int | None = None) -> None:
         """``batch_size`` is the baseline's knob; continuous batching takes ``max_num_seqs`` instead."""
+        import torch
+
         from tokenmill import LLM
 
         self.llm = LLM(model, **engine_kwargs)
-        core = self.llm.engine.core
+        info = self.llm.engine.model_info
         self.tokenizer = self.llm.get_tokenizer()
-        self.vocab_size: int = core.checkpoint.hf_config.vocab_size
-        self.max_model_len: int | None = core.max_model_len
-        runner = getattr(core.executor, "runner", None)  # in-process executors only
-        self.device = runner.device if runner is not None else core.platform.device()
-        self.dtype = core.dtype
-        self.weights: WeightCounts | None = count_weights(runner.model) if runner is not None else None
+        self.vocab_size: int = info.vocab_size
+        self.max_model_len: int | None = info.max_model_len
+        self.device = torch.device(info.device_type)
+        self.dtype = getattr(torch, info.dtype)
+        self.weights: WeightCounts | None = self.llm.engine.core.executor.collective_rpc(_count_weights)[0]
 
     def run(self, requests: Sequence[BenchRequest], temperature: float,
             on_finish: Callable[[], None] | None = None) -> list[RequestRecord]:
@@ -70,6 +71,10 @@ class TokenmillBackend:
         return list(records.values())
 
     def counters(self) -> EngineCounters:
-        core = self.llm.engine.core
-        stats = core.kv_manager.prefix_cache_stats
-        return EngineCounters(stats.queries, stats.hits, core.scheduler.num_preemptions)
+        stats = self.llm.engine.scheduler_stats
+        return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+
+
+def _count_weights(worker: Any) -> WeightCounts:
+    """On the worker (rank 0): its model's weights, split for the roofline."""
+    return count_weights(worker.runner.model)

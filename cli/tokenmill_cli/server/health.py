@@ -50,21 +50,22 @@ async def version() -> VersionResponse:
 
 @router.get("/engine/stats")
 async def engine_stats(state: State) -> EngineStats:
-    """Queue lengths and KV-cache occupancy, read without locking: a snapshot for dashboards
-    and tests (each number is read atomically; together they may be a step apart)."""
+    """Queue lengths and KV-cache occupancy, read without locking: the scheduler's snapshot as of
+    the engine's last step, and counters of the front end (each read atomically; together they
+    may be a step apart)."""
     engine = state.engine
-    core = engine.engine.core
+    scheduler = engine.scheduler_stats()
     return EngineStats(
-        running=len(core.scheduler.running),
-        waiting=len(core.scheduler.waiting),
-        unfinished=engine.engine.output_processor.num_unfinished,
-        kv_blocks_free=core.kv_manager.num_free_blocks,
-        kv_blocks_total=core.kv_manager.num_blocks,
+        running=scheduler.num_running,
+        waiting=scheduler.num_waiting,
+        unfinished=engine.num_unfinished_requests,
+        kv_blocks_free=scheduler.kv_blocks_free,
+        kv_blocks_total=scheduler.kv_blocks_total,
         client_disconnects=state.client_disconnects,
         in_flight=engine.num_requests,
         queued=engine.admission.num_requests,
         queued_tokens=engine.admission.num_tokens,
-        deadlines=len(engine.engine.deadlines),
+        deadlines=engine.num_deadlines,
         seconds_since_heartbeat=engine.seconds_since_heartbeat(),
         draining=state.lifecycle.draining,
     )

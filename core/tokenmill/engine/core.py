@@ -8,18 +8,21 @@ import threading
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.model_info import ModelInfo
 from tokenmill.errors import ModelNotFoundError
-from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.executor import Executor, create_executor
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import default_model, load_checkpoint
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
 from tokenmill.request import Request, RequestStatus
-from tokenmill.scheduler.output import EngineCoreOutput
+from tokenmill.scheduler.output import EngineCoreOutputs
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.worker.spec import WorkerSpec, loaded_plugin_names
 
 # With nothing runnable but requests whose grammar compiles, step() waits this
 # long for one to finish instead of spinning on empty steps.
@@ -43,15 +46,17 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, self.checkpoint)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
-        self.executor: Executor = UniProcExecutor(config, self.platform, plugins=self.plugins,
-                                                  checkpoint=self.checkpoint, dtype=self.dtype,
-                                                  max_model_len=self.max_model_len, progress=progress)
+        self.worker_spec = WorkerSpec(
+            model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins))
+        self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
+                                                  checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        vocab_size = self.checkpoint.hf_config.vocab_size
-        stop_ids = [t for t in [self.eos_token_id, *self.extra_stop_token_ids] if t is not None]
+        self._model_info = self._describe_model()
         self.structured_output = StructuredOutputManager.from_plugins(
-            self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, vocab_size, stop_ids)
+            self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, self._model_info.vocab_size,
+            self._model_info.stop_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -59,7 +64,6 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         ), self.kv_manager, self.structured_output)
-        self.last_num_scheduled_tokens = 0
         self._building_thread = threading.get_ident()
         self._warned_thread = False
 
@@ -77,6 +81,24 @@ class EngineCore:
                     num_blocks * per_block / 2**20)
         return num_blocks
 
+    def _describe_model(self) -> ModelInfo:
+        architectures = self.checkpoint.architectures
+        return ModelInfo(
+            path=str(self.checkpoint.path),
+            architecture=architectures[0] if architectures else None,
+            vocab_size=int(self.checkpoint.hf_config.vocab_size),
+            max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id,
+            extra_stop_token_ids=tuple(self.extra_stop_token_ids),
+            dtype=self.worker_spec.dtype,
+            device_type=self.platform.device_type,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
     @property
     def tokenizer(self) -> Any:
         return self.checkpoint.tokenizer
@@ -90,15 +112,27 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
-    def step(self) -> list[EngineCoreOutput]:
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` (a core request) is waiting or running."""
+        return request_id in self.scheduler.requests
+
+    def make_stats(self) -> SchedulerSnapshot:
+        """The scheduler's snapshot now (each step's outputs carry the one after that step)."""
+        return self.scheduler.make_stats()
+
+    def step(self) -> EngineCoreOutputs:
         if not self._warned_thread and threading.get_ident() != self._building_thread:
             self._warn_other_thread()
         scheduler_output = self.scheduler.schedule()
-        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         if scheduler_output.is_empty and self.structured_output.num_pending:
             self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        forward = self.executor.execute_model(scheduler_output, non_block=True)
+        # Built while the forward runs, where the executor runs it elsewhere (in place: after it).
+        grammar = self.scheduler.grammar_bitmask(scheduler_output)
+        forward.result()
+        runner_output = self.executor.sample_tokens(grammar)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), scheduler_output.total_num_scheduled_tokens)
 
     def _warn_other_thread(self) -> None:
         """Once, where the platform's compute threads belong to the thread that started them

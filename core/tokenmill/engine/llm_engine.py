@@ -39,10 +39,13 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.core = EngineCore(config, plugins, progress=progress)
         self.tokenizer = self.core.tokenizer
-        self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                              self.core.checkpoint.hf_config.vocab_size, self.core.eos_token_id,
-                                              self.core.extra_stop_token_ids,
+        self.model_info = self.core.model_info()
+        self.input_processor = InputProcessor(self.tokenizer, self.model_info.max_model_len,
+                                              self.model_info.vocab_size, self.model_info.eos_token_id,
+                                              list(self.model_info.extra_stop_token_ids),
                                               validate_structured_outputs=self.core.structured_output.validate)
+        # The scheduler's stats as of the last step (or abort): what the front end reads.
+        self.scheduler_stats: SchedulerSnapshot = self.core.make_stats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.deadlines = Deadlines()
         self._ids = itertools.count()
@@ -51,7 +54,16 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.model_info.max_model_len
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.output_processor.num_unfinished
+
+    @property
+    def num_deadlines(self) -> int:
+        """Requests with a timeout still pending."""
+        return len(self.deadlines)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -92,8 +104,9 @@ class LLMEngine:
         children = self.output_processor.child_ids(request_id)
         if not children:
             raise InvalidStateTransition(f"request {request_id!r} is not running (finished or unknown)")
-        live = [c for c in children if c in self.core.scheduler.requests]
+        live = [c for c in children if self.core.has_request(c)]
         self.core.finish_requests(live, status)
+        self.scheduler_stats = self.core.make_stats()
         output = None
         for child in children:
             output = self.output_processor.finish(child, status, error) or output
@@ -113,15 +126,18 @@ class LLMEngine:
         timed_out = self._expire_deadlines()
         step_start = time.monotonic()
         core_outputs = self.core.step()
-        processed = self.output_processor.process(core_outputs, step_start)
+        self.scheduler_stats = core_outputs.stats
+        processed = self.output_processor.process(core_outputs.outputs, step_start)
         if processed.stopped:
             self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         if processed.failed:
             self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+        if processed.stopped or processed.failed:
+            self.scheduler_stats = self.core.make_stats()
         for output in processed.outputs:
             if output.finished:
                 self.deadlines.discard(output.request_id)
-        self._record_stats(self.core.last_num_scheduled_tokens)
+        self._record_stats(core_outputs.num_scheduled_tokens)
         return timed_out + processed.outputs
 
     def _expire_deadlines(self) -> list[RequestOutput]:
@@ -136,27 +152,15 @@ class LLMEngine:
                     outputs.append(output)
         return outputs
 
-    def scheduler_snapshot(self) -> SchedulerSnapshot:
-        scheduler, kv = self.core.scheduler, self.core.kv_manager
-        return SchedulerSnapshot(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_cache_usage=kv.usage,
-            num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-        )
-
     def _record_stats(self, num_scheduled_tokens: int = 0) -> None:
         if not self.stat_loggers:
             return
         start = time.perf_counter()
         iteration = self.output_processor.take_stats()
         iteration.num_scheduled_tokens = num_scheduled_tokens
-        snapshot = self.scheduler_snapshot()
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(snapshot, iteration)
+                stat_logger.record(self.scheduler_stats, iteration)
             except Exception:  # metrics must never take the engine down
                 if id(stat_logger) not in self._failed_loggers:
                     self._failed_loggers.add(id(stat_logger))

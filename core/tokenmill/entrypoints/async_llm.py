@@ -28,9 +28,10 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
+from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
 from tokenmill.errors import EngineDeadError, InvalidRequestError
-from tokenmill.metrics.stats import StatLogger
+from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -108,6 +109,23 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    def scheduler_stats(self) -> SchedulerSnapshot:
+        """The scheduler's snapshot as of the engine's last step: safe to read from any thread."""
+        return self.engine.scheduler_stats
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine is still working on (read without locking)."""
+        return self.engine.num_unfinished_requests
+
+    @property
+    def num_deadlines(self) -> int:
+        return self.engine.num_deadlines
 
     @property
     def is_running(self) -> bool:

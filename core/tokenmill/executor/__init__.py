@@ -1,6 +1,7 @@
-"""Executors: where the model runs."""
+"""Executors: where the model runs, chosen by name (``distributed_executor_backend``)."""
 
 from tokenmill.executor.base import Executor
+from tokenmill.executor.registry import create_executor
 from tokenmill.executor.uniproc import UniProcExecutor
 
-__all__ = ["Executor", "UniProcExecutor"]
+__all__ = ["Executor", "UniProcExecutor", "create_executor"]

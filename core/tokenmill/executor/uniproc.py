@@ -2,34 +2,39 @@
 
 from __future__ import annotations
 
-from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor
-from tokenmill.platform import Platform, platform_kv_prefault_bytes
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.worker import create_model_runner
+from collections.abc import Callable
+from typing import Any
+
+from tokenmill.executor.base import Executor, completed, failed
+from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill.platform import Platform
+from tokenmill.plugins.manager import PluginManager
+from tokenmill.worker.spec import WorkerSpec
+from tokenmill.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """Builds the model in this process; ``worker_args`` go to :func:`create_model_runner`."""
+    """One :class:`Worker`, built from the spec with the engine's own plugin manager, platform
+    and checkpoint (the worker loads the weights).
 
-    def __init__(self, config: EngineConfig, platform: Platform, **worker_args: object) -> None:
-        self.config = config
-        self.platform = platform
-        self.runner: ModelRunner = create_model_runner(config, platform, **worker_args)  # type: ignore[arg-type]
+    A non-blocking call runs in place all the same and returns a completed future: the
+    forward must stay on the thread that built the model, since on the CPU platform the
+    OpenMP teams belong to that thread and another thread runs 1.5-1.8x slower
+    (docs/operations.md).
+    """
 
-    def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
+    def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
+                 checkpoint: Checkpoint | None = None, progress: bool = False, **worker_args: Any) -> None:
+        super().__init__(spec)
+        self.worker = Worker(spec, plugins=plugins, platform=platform, checkpoint=checkpoint, progress=progress)
 
-    def kv_cache_budget(self) -> int:
-        return self.platform.kv_cache_bytes(self.config)
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       ) -> Any:  # list[Any] | Future[list[Any]], as the overloads say
+        if not non_block:
+            return [self.worker.execute_method(method, args, kwargs)]
+        try:
+            return completed([self.worker.execute_method(method, args, kwargs)])
+        except Exception as exc:
+            return failed(exc)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.
-        self.runner.allocate_kv_cache(num_blocks, platform_kv_prefault_bytes(self.platform, self.config))
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
-
-    def shutdown(self) -> None:
-        self.runner.kv_caches.clear()

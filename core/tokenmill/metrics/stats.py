@@ -12,11 +12,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerSnapshot:
+    """The queues and the KV cache after a step, as the scheduler saw them (``Scheduler.make_stats``).
+
+    The engine core returns one with each step's outputs, so the front end reads these
+    numbers from it instead of from the scheduler's live lists.
+    """
+
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_for_grammar: int = 0  # structured-output requests whose grammar still compiles
     kv_cache_usage: float = 0.0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0  # tokens found, since start

@@ -22,3 +22,9 @@ def tokenmill_select_attention_backend(request: Any, candidates: list[AttentionB
 def tokenmill_register_structured_output_backends() -> dict[str, str]:
     """xgrammar is the built-in backend (imported only when a request is constrained)."""
     return {"xgrammar": "tokenmill.structured_output.xgrammar_backend:XgrammarBackend"}
+
+
+@hookimpl
+def tokenmill_register_executors() -> dict[str, str]:
+    """The in-process executor: one worker in the engine's own process."""
+    return {"uni": "tokenmill.executor.uniproc:UniProcExecutor"}

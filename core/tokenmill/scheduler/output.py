@@ -11,6 +11,8 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.metrics.stats import SchedulerSnapshot
+
 
 @dataclass
 class NewRequestData:
@@ -30,13 +32,16 @@ class CachedRequestData:
     """A request the workers know: only what changed since the last step.
 
     ``resumed_from_preemption`` means its old blocks are gone and
-    ``new_block_ids`` is its whole block table.
+    ``new_block_ids`` is its whole block table. ``new_token_ids`` are the request's
+    tokens from position ``max(num_prompt_tokens, num_computed_tokens)`` on: the
+    rank that samples has them already; the other ranks append the ones they lack.
     """
 
     req_id: str
     resumed_from_preemption: bool
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +51,8 @@ class GrammarBitmask:
     ``bitmask`` is ``[len(rows), ceil(vocab_size / 32)]`` int32, bit-packed
     (bit ``j`` of word ``i`` is token ``32 * i + j``; set = allowed); ``rows``
     maps a request id to its row. Only requests that sample this step have one.
+    ``Scheduler.grammar_bitmask`` builds it while the step's forward runs; the
+    workers get it with ``sample_tokens``.
     """
 
     bitmask: torch.Tensor
@@ -63,8 +70,6 @@ class SchedulerOutput:
     # Preempted since the last step: workers drop them from the batch but keep
     # their state (token ids, seeded generator) for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Structured outputs: None when no scheduled request is constrained.
-    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -103,3 +108,13 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_status is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What one engine-core step returns: every scheduled request's progress, and the
+    scheduler's stats snapshot after the step."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerSnapshot
+    num_scheduled_tokens: int = 0

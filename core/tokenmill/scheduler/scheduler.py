@@ -9,8 +9,9 @@ request is preempted and later recomputed from scratch.
 
 A request with structured outputs waits in ``WAITING_FOR_GRAMMAR``, outside
 the waiting queue, while its grammar compiles in a thread, so it blocks no
-one; each step the constrained requests that sample get a token bitmask, and
-their matchers advance with the tokens sampled.
+one; each step the constrained requests that sample get a token bitmask
+(``grammar_bitmask``, built while the step's forward runs), and their
+matchers advance with the tokens sampled.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
+from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import (
     CachedRequestData,
@@ -45,14 +47,6 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -148,7 +142,6 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.tokens.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
-            grammar=self._grammar_bitmask(plan) if self._constrained else None,
         )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
@@ -177,10 +170,15 @@ class Scheduler:
         self._pending_outputs.append(EngineCoreOutput(
             req_id=request.request_id, new_token_ids=[], finish_status=RequestStatus.FINISHED_ERROR, error=error))
 
-    def _grammar_bitmask(self, plan: _StepPlan) -> GrammarBitmask | None:
-        """Bitmask rows for the constrained requests that reach their last token, and so sample, this step."""
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Bitmask rows for the constrained requests that reach their last token, and so sample, in
+        the step ``scheduler_output`` scheduled; None when none is constrained. Called between
+        ``schedule()`` and ``update_from_output()``, while the step's forward runs."""
+        if not self._constrained:
+            return None
+        tokens = scheduler_output.num_scheduled_tokens
         sampling = [r for r in self._constrained.values()
-                    if r.request_id in plan.tokens and r.num_computed_tokens + plan.tokens[r.request_id] >= r.num_tokens]
+                    if r.request_id in tokens and r.num_computed_tokens + tokens[r.request_id] >= r.num_tokens]
         assert self.structured_output is not None
         return self.structured_output.grammar_bitmask(sampling)
 
@@ -192,9 +190,8 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request itself was preempted
                 continue
-            plan.cached.append(
-                CachedRequestData(request.request_id, False, new_blocks.get_block_ids(), request.num_computed_tokens)
-            )
+            plan.cached.append(CachedRequestData(request.request_id, False, new_blocks.get_block_ids(),
+                                                 request.num_computed_tokens, _unsent_tokens(request)))
             plan.tokens[request.request_id] = num_new
             plan.budget -= num_new
             index += 1
@@ -245,7 +242,8 @@ class Scheduler:
         self.running.append(request)
         block_ids = self.kv.get_block_ids(request.request_id)
         if resumed:
-            plan.cached.append(CachedRequestData(request.request_id, True, block_ids, num_computed))
+            plan.cached.append(CachedRequestData(request.request_id, True, block_ids, num_computed,
+                                                 _unsent_tokens(request)))
         else:
             plan.new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
@@ -325,6 +323,23 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting) + len(self.waiting_for_grammar), self.kv.usage,
-                              self.num_preemptions)
+    def make_stats(self) -> SchedulerSnapshot:
+        """The queues and the KV cache now: what the engine core returns with a step's outputs."""
+        prefix = self.kv.prefix_cache_stats
+        return SchedulerSnapshot(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
+            kv_cache_usage=self.kv.usage,
+            kv_blocks_free=self.kv.num_free_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+        )
+
+
+def _unsent_tokens(request: Request) -> list[int]:
+    """The tokens from ``max(prompt, computed)`` on: in a decode step, the one sampled last step.
+    Ranks that do not sample learn the sampled tokens from these (``CachedRequestData``)."""
+    return request.output_token_ids[max(0, request.num_computed_tokens - request.num_prompt_tokens):]

@@ -1,11 +1,14 @@
-"""Runs the model for one scheduled step: update the persistent batch from
-the scheduler's diffs, build inputs, forward, compute logits only where a
-token is sampled, sample, and remember the sampled tokens."""
+"""Runs the model for one scheduled step, in two calls: ``execute_model`` updates
+the persistent batch from the scheduler's diffs, builds inputs and runs the
+forward; ``sample_tokens`` (given the step's grammar bitmask, which the engine
+builds meanwhile) computes logits only where a token is sampled, samples, and
+remembers the sampled tokens."""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,20 +28,33 @@ from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass
+class _Forward:
+    """A step's forward, waiting for ``sample_tokens``."""
+
+    inputs: StepInputs
+    hidden: torch.Tensor
+    token_logits: torch.Tensor | None  # every token's logits, where a step graph computed them too
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
-                 kv_allocator: KVCacheAllocator | None = None) -> None:
+                 kv_allocator: KVCacheAllocator | None = None, samples: bool = True) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
-        ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``)."""
+        ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
+        ``samples``: false on the ranks other than 0, which run the forward and return nothing;
+        they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``)."""
         self.model = model
         self.backend = backend
         self.device = device
         self.dtype = dtype
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.samples = samples
         self.kv_allocator = kv_allocator or DeviceKVAllocator(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, CachedRequestState] = {}
@@ -47,6 +63,7 @@ class ModelRunner:
         # states alone (the output token lists it holds are the states' own, growing in
         # place), so consecutive steps of the same requests reuse it.
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
+        self._forward_result: _Forward | None = None  # from execute_model, for sample_tokens
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -78,19 +95,36 @@ class ModelRunner:
             populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
 
+    def free_kv_cache(self) -> None:
+        """Drop this runner's references to the KV cache (the layers' bindings go with the next allocation)."""
+        self.kv_caches.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
+
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Update the batch and run the step's forward; :meth:`sample_tokens` gives its output."""
         self._update_states(scheduler_output)
+        self._forward_result = None
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
         hidden, token_logits = self._forward(inputs)
+        self._forward_result = _Forward(inputs, hidden, token_logits)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """The last forward's output: sampled tokens (within ``grammar``), logprobs, embeddings.
+        A rank that does not sample returns an empty one."""
+        forward, self._forward_result = self._forward_result, None
         output = ModelRunnerOutput()
-        self._prompt_logprobs(inputs, hidden, output)
-        self._pool(inputs, hidden, output)
-        self._sample(inputs, hidden, output, scheduler_output.grammar, token_logits)
+        if forward is None or not self.samples:
+            return output
+        self._prompt_logprobs(forward.inputs, forward.hidden, output)
+        self._pool(forward.inputs, forward.hidden, output)
+        self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,12 +157,15 @@ class ModelRunner:
             self.batch.add(state)
         for cached in so.scheduled_cached_reqs:
             self._update_cached(cached.req_id, cached.resumed_from_preemption, cached.new_block_ids,
-                                cached.num_computed_tokens)
+                                cached.num_computed_tokens, cached.new_token_ids)
 
-    def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int) -> None:
+    def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
+                       new_token_ids: list[int]) -> None:
         state = self.requests[req_id]
         state.num_computed_tokens = num_computed
+        missing = [] if self.samples else _missing_tokens(state, num_computed, new_token_ids)
         if resumed:
+            state.output_token_ids.extend(missing)
             state.block_ids = list(new_block_ids)
             state.pooled_sum = None  # recomputed from the first token
             self.batch.add(state)
@@ -137,6 +174,9 @@ class ModelRunner:
         row = self.batch.index_of[req_id]
         self.batch.append_blocks(row, new_block_ids)
         self.batch.num_computed_tokens[row] = num_computed
+        for token in missing:
+            state.output_token_ids.append(token)
+            self.batch.append_token(row, token)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -250,6 +290,13 @@ class ModelRunner:
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
             if start + int(inputs.num_scheduled[i]) >= num_prompt:
                 output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+
+def _missing_tokens(state: CachedRequestState, num_computed: int, new_token_ids: list[int]) -> list[int]:
+    """Of the tokens the scheduler sent (those from position ``max(prompt, num_computed)`` on),
+    the ones a rank that does not sample has not seen yet."""
+    first = max(len(state.prompt_token_ids), num_computed)
+    return new_token_ids[max(0, state.num_tokens - first):]
 
 
 def _sampled_logits(model: CausalLM, hidden: torch.Tensor, token_logits: torch.Tensor | None,

@@ -1,8 +1,14 @@
-"""Everything one worker process does before its first step: choose the
-model class and attention backend, build the model, make the runner."""
+"""A worker: one rank's model runner, built from a :class:`WorkerSpec`.
+
+It does everything one worker process does before its first step (load its own
+checkpoint, choose the model class and attention backend, build the model, make
+the runner), then answers the executor's ``collective_rpc`` calls: its public
+methods are what an executor may call by name on every worker.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,17 +17,84 @@ from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.model_loader.loader import resolve_model_class
+from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
-from tokenmill.platform import platform_kv_allocator, platform_step_graph_capture
+from tokenmill.platform import (
+    Platform,
+    detect_platform,
+    platform_kv_allocator,
+    platform_kv_prefault_bytes,
+    platform_step_graph_capture,
+)
 from tokenmill.plugins.manager import PluginManager
+from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.step_graphs import StepGraphCapture
 
 
+class Worker:
+    """One rank. A worker in a process of its own is built from the spec alone: it loads the
+    engine's plugins by name, detects and configures its platform, and reads its checkpoint.
+    A worker in the engine's own process may be handed what the engine has already set up:
+    its ``plugins``, its ``platform`` and its ``checkpoint`` (so the file is not read twice:
+    a GGUF's vocabulary takes seconds to parse); only the weights are loaded here either way."""
+
+    def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
+                 checkpoint: Checkpoint | None = None, progress: bool = False) -> None:
+        self.spec = spec
+        self.plugins = plugins if plugins is not None else spec.load_plugins()
+        if platform is None:
+            platform = detect_platform(self.plugins)
+            platform.configure_process(spec.config)
+        self.platform = platform
+        self.plugins.hook.tokenmill_process_start(role="worker", rank=spec.rank, config=spec.config)
+        dtype = getattr(torch, spec.dtype)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
+        self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
+                                          progress=progress and spec.rank == 0, samples=spec.samples)
+
+    def execute_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        """What this worker does for one ``collective_rpc``: a public method by name, or a
+        function called with the worker first."""
+        if callable(method):
+            return method(self, *args, **(kwargs or {}))
+        if method.startswith("_") or method == "execute_method" or not callable(getattr(self, method, None)):
+            raise AttributeError(f"collective_rpc: {method!r} is not a public method of {type(self).__name__}")
+        return getattr(self, method)(*args, **(kwargs or {}))
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def kv_cache_budget(self) -> int:
+        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded."""
+        return self.platform.kv_cache_bytes(self.spec.config)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.
+        self.runner.allocate_kv_cache(num_blocks, platform_kv_prefault_bytes(self.platform, self.spec.config))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's forward; its output comes from :meth:`sample_tokens`."""
+        self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The last forward's output (empty on a rank other than 0: only rank 0 samples)."""
+        return self.runner.sample_tokens(grammar)
+
+    def attention_backend_name(self) -> str:
+        return str(self.runner.backend.name)
+
+    def shutdown(self) -> None:
+        self.runner.free_kv_cache()
+
+
 def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginManager, checkpoint: Checkpoint,
-                        dtype: torch.dtype, max_model_len: int, progress: bool = False) -> ModelRunner:
+                        dtype: torch.dtype, max_model_len: int, progress: bool = False,
+                        samples: bool = True) -> ModelRunner:
     model_cls = resolve_model_class(checkpoint, plugins, platform)
     device = platform.device()
     quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
@@ -47,6 +120,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         kv_allocator=platform_kv_allocator(platform),
         graph_capture=_graph_capture(config, platform, backend),
         max_graph_batch_size=config.max_graph_batch_size,
+        samples=samples,
     )
 
 
