@@ -51,9 +51,11 @@ MODULE_NAME = "tokenmill_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bindings.cpp", "paged_attention.cpp", "cache_write.cpp", "layer_ops.cpp",
                           "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp", "step_graph.cpp")]
+_HEADERS = [Path(__file__).with_name("vector_expf.h")]
 # -ffast-math for the reassociated (vectorised) reductions, but not its finite-math
 # assumption: error isolation finds a broken request by the NaN or inf in its logits,
-# which every kernel on the way to them must carry through, not fold away.
+# which every kernel on the way to them must carry through, not fold away (and
+# vector_expf.h keeps the vector expf that this would otherwise lose).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 LDFLAGS = ["-fopenmp"]
 _STAGING_MARK = ".building-"
@@ -72,7 +74,7 @@ def environment_directory() -> Path:
 def build_directory() -> Path:
     """The folder of the build for these sources, flags and CPU (complete once it exists)."""
     key = hashlib.sha1()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         key.update(str(source).encode() + b"\0" + source.read_bytes() + b"\0")
     key.update(" ".join(CFLAGS + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
     return environment_directory() / key.hexdigest()[:16]
