@@ -59,6 +59,7 @@ _HEADERS = [Path(__file__).with_name("vector_expf.h")]
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 LDFLAGS = ["-fopenmp"]
 _STAGING_MARK = ".building-"
+_CPU_FILE = "cpu-flags"  # in each build: the CPU it was built for
 
 
 def environment_directory() -> Path:
@@ -132,6 +133,7 @@ def _build(folder: Path) -> ModuleType:
         with _packaged_ninja_first(folder.parent), build_progress.reported(staging, len(_SOURCES)):
             module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=CFLAGS,
                           extra_ldflags=LDFLAGS, build_directory=str(staging), verbose=False)
+        (staging / _CPU_FILE).write_text(_cpu_features())
         staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
         staging.rename(folder)
         module.__file__ = str(library_path(folder))  # where it now lies
@@ -148,8 +150,10 @@ def _remove_abandoned_builds(environment: Path) -> None:
 
 def _seed_from_previous_build(staging: Path, environment: Path) -> None:
     """Copy the newest complete build's objects and ninja logs (with their times), so
-    that ninja recompiles only the sources that changed since."""
-    builds = [f for f in environment.iterdir() if f.is_dir() and library_path(f).exists()]
+    that ninja recompiles only the sources that changed since. Only a build for this
+    CPU: ninja cannot tell, ``-march=native`` reads the same for every CPU."""
+    builds = [f for f in environment.iterdir()
+              if library_path(f).exists() and _read(f / _CPU_FILE) == _cpu_features()]
     if builds:
         newest = max(builds, key=lambda f: library_path(f).stat().st_mtime)
         shutil.copytree(newest, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
@@ -162,20 +166,31 @@ def _packaged_ninja_first(environment: Path) -> Iterator[None]:
     PATH's ninja builds."""
     try:
         import ninja
+
+        binary = Path(ninja.BIN_DIR) / "ninja"
     except ImportError:
+        binary = None
+    if binary is None or not binary.exists():
         yield
         return
     link_folder = environment / "ninja-bin"
     link_folder.mkdir(exist_ok=True)
     link = link_folder / "ninja"
     link.unlink(missing_ok=True)
-    link.symlink_to(Path(ninja.BIN_DIR) / "ninja")
+    link.symlink_to(binary)
     saved = os.environ.get("PATH", "")
     os.environ["PATH"] = str(link_folder) + os.pathsep + saved
     try:
         yield
     finally:
         os.environ["PATH"] = saved
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _cpu_features() -> str:
