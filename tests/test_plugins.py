@@ -10,7 +10,8 @@ import pytest
 from tiny_models import hf_greedy
 
 from tokenmill import LLM, PluginError, SamplingParams, UnsupportedModelError
-from tokenmill.plugins.manager import ENTRY_POINT_GROUP, PluginManager
+from tokenmill.hookspecs import ExperimentalHookWarning, hookimpl, is_experimental
+from tokenmill.plugins.manager import ENTRY_POINT_GROUP, PluginInfo, PluginManager
 
 
 def _installed(name: str) -> EntryPoint:
@@ -104,3 +105,49 @@ def test_entry_point_modules_do_not_import_torch():
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "assert 'torch' not in sys.modules, 'an entry point imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _Plugin:
+    """A plugin object built in the test (pluggy accepts any namespace)."""
+
+    def __init__(self, **hooks: object) -> None:
+        for name, function in hooks.items():
+            setattr(self, name, hookimpl(function))
+
+
+def _manager_with(**plugins: _Plugin) -> PluginManager:
+    manager = PluginManager()
+    for name, plugin in plugins.items():
+        manager.register(plugin, PluginInfo(name, f"dist-{name}", "1.0", name))
+    return manager
+
+
+def test_collect_refuses_a_misspelled_hook_or_argument_at_once():
+    manager = _manager_with()
+    with pytest.raises(PluginError, match="'tokenmill_register_model' is not a tokenmill hook"):
+        manager.collect("tokenmill_register_model")
+    with pytest.raises(PluginError, match=r"takes \['platform'\], not \['platfrom'\]"):
+        manager.collect("tokenmill_register_attention_backends", platfrom=None)
+
+
+def test_collect_calls_through_pluggy_and_keeps_who_answered():
+    manager = _manager_with(
+        first=_Plugin(tokenmill_register_tool_parsers=lambda: {"a": "m:A"}),
+        silent=_Plugin(tokenmill_register_tool_parsers=lambda: None),
+        second=_Plugin(tokenmill_register_tool_parsers=lambda: {"b": "m:B"}),
+    )
+    seen: list[list[str]] = []
+    manager.pm.add_hookcall_monitoring(lambda name, impls, kwargs: seen.append([i.plugin_name for i in impls]),
+                                       lambda outcome, name, impls, kwargs: None)
+    results = manager.collect("tokenmill_register_tool_parsers")
+    assert [(r.plugin.distribution, r.value) for r in results] == [("dist-second", {"b": "m:B"}),
+                                                                   ("dist-first", {"a": "m:A"})]
+    assert seen == [["second"], ["silent"], ["first"]]  # one pluggy call per implementation, in pluggy's order
+
+
+def test_implementing_an_experimental_hook_warns_and_is_listed_as_such():
+    with pytest.warns(ExperimentalHookWarning, match="not called by this version"):
+        manager = _manager_with(connector=_Plugin(tokenmill_register_kv_connectors=lambda: []))
+    assert manager.hooks_of("connector") == ["tokenmill_register_kv_connectors"]
+    assert is_experimental("tokenmill_register_kv_connectors")
+    assert not is_experimental("tokenmill_register_models")

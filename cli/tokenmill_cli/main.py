@@ -6,27 +6,39 @@ import logging
 
 import typer
 
+from tokenmill.config import EngineConfig
 from tokenmill_cli import generate, plugins, serve
-from tokenmill_cli.bench.app import bench_app
-
-app = typer.Typer(
-    name="tokenmill",
-    help="tokenmill: a plugin-first LLM inference and serving engine.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-app.command("generate", help="Generate text for one or more prompts with a local engine.")(generate.generate)
-app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.")(serve.serve)
-app.add_typer(bench_app, name="bench", help="Benchmarks: throughput, latency, serve; random-model makes a checkpoint.")
-app.command("plugins", help="List installed plugins: name, distribution, version, hooks and what they register.")(
-    plugins.list_plugins
-)
+from tokenmill_cli.bench.app import build_bench_app
+from tokenmill_cli.engine_options import MODEL_ARGUMENT, MODEL_OPTION, engine_command
 
 
-@app.callback()
+def build_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
+    """The ``tokenmill`` app; the commands that start an engine take the options of ``config_cls``'s fields."""
+    app = typer.Typer(
+        name="tokenmill",
+        help="tokenmill: a plugin-first LLM inference and serving engine.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.command("generate", help="Generate text for one or more prompts with a local engine.")(
+        engine_command(generate.generate, config_cls, model=MODEL_OPTION))
+    app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.")(
+        engine_command(serve.serve, config_cls, model=MODEL_ARGUMENT))
+    app.add_typer(build_bench_app(config_cls), name="bench",
+                  help="Benchmarks: throughput, latency, serve; random-model makes a checkpoint.")
+    app.command("plugins", help="List installed plugins: name, distribution, version, hooks and what they register.")(
+        plugins.list_plugins
+    )
+    app.callback()(_root)
+    return app
+
+
 def _root(log_level: str = typer.Option("warning", help="debug, info, warning or error")) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+
+app = build_app()
 
 
 def main() -> None:

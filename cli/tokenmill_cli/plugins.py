@@ -1,4 +1,5 @@
-"""``tokenmill plugins``: what is installed, where it came from, what it registers."""
+"""``tokenmill plugins``: what is installed, where it came from, what it registers, and the hooks
+this version declares (from :mod:`tokenmill.hookspecs`, so no list is kept here)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,10 @@ from typing import Annotated, Any
 
 import typer
 
-# registration hooks whose answers name things
-_NAMED_HOOKS = {
-    "tokenmill_detect_platform": "platform",
-    "tokenmill_register_attention_backends": "attention",
-    "tokenmill_register_models": "models",
-    "tokenmill_register_quantization_methods": "quantization",
-    "tokenmill_register_spec_decode_methods": "spec-decode",
-    "tokenmill_register_kv_connectors": "kv-connector",
-    "tokenmill_register_tool_parsers": "tool-parser",
-    "tokenmill_register_reasoning_parsers": "reasoning-parser",
-    "tokenmill_register_structured_output_backends": "structured-output",
-    "tokenmill_default_model": "default-model",
-}
+from tokenmill.hookspecs import NOT_CALLED, hook_names, is_experimental
+
+# What a registration hook may be called with here: the chosen platform and nothing else.
+_REGISTRATION_ARGS = frozenset({"platform"})
 
 
 def list_plugins(
@@ -40,12 +32,48 @@ def list_plugins(
     for column in ("plugin", "distribution", "version", "hooks", "registers"):
         table.add_column(column)
     for name, info in sorted(manager.infos.items()):
-        hooks = ", ".join(h.removeprefix("tokenmill_") for h in manager.hooks_of(name))
+        hooks = ", ".join(_hook_label(h) for h in manager.hooks_of(name))
         table.add_row(name, info.distribution, info.version, hooks, "; ".join(registered.get(name, [])))
     console = Console(width=160)
     console.print(table)
+    console.print(_hooks_table(manager))
     for failure in manager.failures:
         console.print(f"[red]failed[/red] {failure.info.label}: {failure.error}")
+
+
+def _hook_label(hook: str) -> str:
+    """A hook's short name, flagged where this version never calls it."""
+    short = hook.removeprefix("tokenmill_")
+    return f"{short} ({NOT_CALLED})" if is_experimental(hook) else short
+
+
+def _hooks_table(manager: Any) -> Any:
+    """Every declared hook: how it is called, what it takes, how many plugins implement it."""
+    from rich.table import Table
+
+    table = Table(title="hooks")
+    for column in ("hook", "kind", "arguments", "implementations", "note"):
+        table.add_column(column)
+    for hook in hook_names():
+        caller = getattr(manager.hook, hook)
+        kind = "firstresult" if caller.spec.opts.get("firstresult") else "collect"
+        note = f"experimental: {NOT_CALLED}" if is_experimental(hook) else ""
+        table.add_row(hook, kind, ", ".join(caller.spec.argnames), str(len(caller.get_hookimpls())), note)
+    return table
+
+
+def _registration_hooks(manager: Any) -> list[str]:
+    """The hooks whose answers name things: those taking nothing but the platform."""
+    return [hook for hook in hook_names()
+            if set(getattr(manager.hook, hook).spec.argnames) <= _REGISTRATION_ARGS]
+
+
+def _label(hook: str) -> str:
+    """``tokenmill_register_tool_parsers`` -> ``tool-parsers``; ``tokenmill_detect_platform`` -> ``platform``."""
+    short = hook.removeprefix("tokenmill_")
+    for verb in ("register_", "detect_", "add_"):
+        short = short.removeprefix(verb)
+    return short.replace("_", "-")
 
 
 def _names(value: Any) -> list[str]:
@@ -65,8 +93,9 @@ def _registered_names(manager: Any) -> dict[str, list[str]]:
 
     platform = detect_platform(manager)
     out: dict[str, list[str]] = {}
-    for hook, label in _NAMED_HOOKS.items():
-        for result in manager.collect(hook, platform=platform):
+    for hook in _registration_hooks(manager):
+        args = {"platform": platform} if "platform" in getattr(manager.hook, hook).spec.argnames else {}
+        for result in manager.collect(hook, **args):
             names = _names(result.value)
-            out.setdefault(result.plugin.name, []).append(f"{label}: {', '.join(names)}")
+            out.setdefault(result.plugin.name, []).append(f"{_label(hook)}: {', '.join(names)}")
     return out

@@ -1,4 +1,6 @@
-"""``tokenmill serve``: an OpenAI-compatible HTTP server over one model."""
+"""``tokenmill serve``: an OpenAI-compatible HTTP server over one model.
+
+Its engine options (``engine``) are generated from ``EngineConfig`` (:mod:`tokenmill_cli.engine_options`)."""
 
 from __future__ import annotations
 
@@ -8,23 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tokenmill_cli.engine_options import (
-    AttentionBackend,
-    BlockSize,
-    Dtype,
-    EnforceEager,
-    GPUMemoryUtilization,
-    KVCacheMemory,
-    MaxGraphBatchSize,
-    MaxModelLen,
-    MaxNumBatchedTokens,
-    MaxNumSeqs,
-    Model,
-    PrefixCaching,
-    Seed,
-    StrictPlugins,
-    engine_kwargs,
-)
+from tokenmill.config import EngineConfig
 from tokenmill_cli.server_options import (
     DisableLogStats,
     DisableMetrics,
@@ -32,18 +18,16 @@ from tokenmill_cli.server_options import (
     LogStatsInterval,
     MaxQueuedRequests,
     MaxQueuedTokens,
-    RequestTimeout,
     ShutdownTimeout,
 )
 
 _SERVER = "Server"
-_ENGINE = "Engine"
 
 logger = logging.getLogger(__name__)
 
 
 def serve(
-    model: Model = None,
+    engine: EngineConfig,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface",
                                       rich_help_panel=_SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on", rich_help_panel=_SERVER)] = 8000,
@@ -62,25 +46,6 @@ def serve(
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         "--enable-auto-tool-choice", help='Allow tool_choice "auto" (the model decides; its reply is parsed)',
         rich_help_panel=_SERVER)] = False,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 64,
-    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
-    enable_chunked_prefill: Annotated[bool, typer.Option(
-        "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over several steps",
-        rich_help_panel=_ENGINE)] = True,
-    scheduling_policy: Annotated[str, typer.Option(help="fcfs, or priority (the request's `priority` field)",
-                                                   rich_help_panel=_ENGINE)] = "fcfs",
-    enable_prefix_caching: PrefixCaching = True,
-    kv_cache_memory: KVCacheMemory = None,
-    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
-    block_size: BlockSize = 16,
-    seed: Seed = 0,
-    attention_backend: AttentionBackend = None,
-    strict_plugins: StrictPlugins = False,
-    enforce_eager: EnforceEager = False,
-    max_graph_batch_size: MaxGraphBatchSize = None,
-    request_timeout: RequestTimeout = None,
     max_queued_requests: MaxQueuedRequests = None,
     max_queued_tokens: MaxQueuedTokens = None,
     shutdown_timeout: ShutdownTimeout = 30.0,
@@ -96,15 +61,8 @@ def serve(
     try:
         template = load_chat_template(chat_template)
         _check_tool_options(tool_call_parser, enable_auto_tool_choice)
-        engine = AsyncLLM(model, max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
-                          **engine_kwargs(
-            dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            block_size=block_size, seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
-            enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size,
-            request_timeout=request_timeout))
+        llm = AsyncLLM(max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
+                       **engine.model_dump(exclude_unset=True))
     except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -113,7 +71,7 @@ def serve(
                                   "enable_metrics": not disable_metrics}
     # tool calling rides along with the other settings
     operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
-    _run(engine, model, host, port, api_key, served_model_name, template, log_level, operations)
+    _run(llm, engine.model, host, port, api_key, served_model_name, template, log_level, operations)
 
 
 def _check_tool_options(parser: str | None, enable_auto: bool) -> None:

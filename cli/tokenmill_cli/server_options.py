@@ -1,5 +1,6 @@
-"""The operations options of ``tokenmill serve`` (timeouts, admission bounds, logging and
-metrics), as ``Annotated`` aliases like the engine's in ``engine_options``."""
+"""The operations options of ``tokenmill serve`` (admission bounds, shutdown, health, logging and
+metrics), as ``Annotated`` aliases; the engine's own (``--request-timeout``) are generated from
+``EngineConfig`` by ``engine_options``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import typer
 
 _OPS = "Operations"
 
-RequestTimeout = Annotated[float | None, typer.Option(
-    help="Seconds after which a request ends with finish_reason 'timeout' (a request's `timeout` field "
-         "overrides it) [default: none]", rich_help_panel=_OPS)]
 MaxQueuedRequests = Annotated[int | None, typer.Option(
     min=1, help="Most requests waiting for their first token; past it: 429 [default: no bound]",
     rich_help_panel=_OPS)]

@@ -354,7 +354,7 @@ def test_reset_prefix_cache() -> None:
 
 def test_kv_cache_blocks_result() -> None:
     a, b = KVCacheBlock(3), KVCacheBlock(5)
-    assert (KVCacheBlocks([a]) + KVCacheBlocks([b])).get_block_ids() == [3, 5]
+    assert KVCacheBlocks([a, b]).get_block_ids() == [3, 5]
     assert KVCacheBlocks.empty().get_block_ids() == []
     assert KVCacheBlocks.empty() is not None and bool(KVCacheBlocks.empty())
 

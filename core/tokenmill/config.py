@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,41 +21,93 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def cli(panel: str, *, metavar: str | None = None) -> dict[str, Any]:
+    """A field's ``json_schema_extra``: the help panel its command-line option shows in and, for a
+    field whose option takes text the field's validator reads (``--kv-cache-memory 2GiB``), the
+    metavar that text is shown as. The CLI generates one option per field (``tokenmill_cli.engine_options``);
+    a field without it shows in the "Engine" panel."""
+    return {"cli_panel": panel, **({"cli_metavar": metavar} if metavar else {})}
+
+
+_MODEL, _KV, _SCHED, _RUN, _PLUGINS = "Model", "KV cache", "Scheduler", "Execution", "Plugins"
+
+
 class EngineConfig(BaseModel):
-    """Everything the engine needs to start; the CLI and ``LLM(...)`` fill it."""
+    """Everything the engine needs to start; the CLI and ``LLM(...)`` fill it.
+
+    Each field is also a command-line option of ``tokenmill generate``, ``serve`` and
+    ``bench throughput|latency`` (``max_num_seqs`` -> ``--max-num-seqs``): its type, default and
+    ``description`` are the option's, and :func:`cli` names its help panel.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    model: str | None = Field(None, description="Hub id, local folder or .gguf file; None: the default model")
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
-    max_model_len: int | None = Field(None, ge=1)
-    seed: int = 0
+    model: str | None = Field(None, description="Hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct)",
+                              json_schema_extra=cli(_MODEL))
+    tokenizer: str | None = Field(None, description="Tokenizer folder or hub id (default: the model's)",
+                                  json_schema_extra=cli(_MODEL))
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model",
+                                 json_schema_extra=cli(_MODEL))
+    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16", json_schema_extra=cli(_MODEL))
+    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's)",
+                                      json_schema_extra=cli(_MODEL))
 
-    block_size: int = Field(16, ge=1)
-    enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = Field(None, description="KV cache bytes; default from the platform (CPU: its RAM budget, GPU: gpu_memory_utilization)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    num_kv_blocks: int | None = Field(None, ge=1, description="override the computed number of KV blocks")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block", json_schema_extra=cli(_KV))
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of shared prefixes",
+                                        json_schema_extra=cli(_KV))
+    kv_cache_memory: int | None = Field(
+        None, description="KV cache size, e.g. 2GiB (default: from the platform; on the CPU its RAM budget, on a "
+                          "GPU gpu_memory_utilization)", json_schema_extra=cli(_KV, metavar="SIZE"))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory to use",
+                                          json_schema_extra=cli(_KV))
+    num_kv_blocks: int | None = Field(None, ge=1, description="Number of KV blocks, instead of the one computed "
+                                                              "from the memory budget", json_schema_extra=cli(_KV))
 
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    enable_chunked_prefill: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step",
+                                        json_schema_extra=cli(_SCHED))
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one step", json_schema_extra=cli(_SCHED))
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps",
+                                         json_schema_extra=cli(_SCHED))
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs, or priority (the request's `priority` field)", json_schema_extra=cli(_SCHED))
     request_timeout: float | None = Field(
         None, gt=0, allow_inf_nan=False,
-        description="seconds from arrival after which a request ends with finish_reason 'timeout'; None: never")
+        description="Seconds from arrival after which a request ends with finish_reason 'timeout' (a request's "
+                    "`timeout` field overrides it; default: never)", json_schema_extra=cli(_SCHED))
 
-    enforce_eager: bool = Field(False, description="run every step eagerly, never through a step graph")
+    seed: int = Field(0, description="Engine seed", json_schema_extra=cli(_RUN))
+    enforce_eager: bool = Field(False, description="Run every step eagerly, never through a step graph",
+                                json_schema_extra=cli(_RUN))
     max_graph_batch_size: int = Field(
-        64, ge=0, description="decode batches of up to this many requests replay a step graph where the platform can capture one")
-
-    attention_backend: str | None = None
+        64, ge=0, description="Decode batches of up to this many requests replay a step graph where the platform "
+                              "can capture one", json_schema_extra=cli(_RUN))
+    attention_backend: str | None = Field(None, description="Force an attention backend by name",
+                                          json_schema_extra=cli(_RUN))
+    quantization: str | None = Field(
+        None, description="Quantization method, by its registered name or checkpoint alias (see `tokenmill plugins`; "
+                          "default: the one the checkpoint declares, in config.json's quantization_config or its "
+                          "single-file format, if any)", json_schema_extra=cli(_MODEL))
     structured_outputs_backend: str = Field(
-        "xgrammar", description="structured-output backend, by its registered name (tokenmill_register_structured_output_backends)")
-    strict_plugins: bool = False
-    num_threads: int | None = Field(None, ge=1)
+        "xgrammar", description="Structured-output backend, by its registered name (see `tokenmill plugins`)",
+        json_schema_extra=cli(_RUN))
+    num_threads: int | None = Field(None, ge=1, description="CPU threads of the engine (default: "
+                                                            "TOKENMILL_NUM_THREADS, else the usable cores)",
+                                    json_schema_extra=cli(_RUN))
+
+    strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
+                                 json_schema_extra=cli(_PLUGINS))
+    plugin_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options plugins add (tokenmill_add_options), keyed '<plugin>.<name>'; checked against them "
+                    "when the engine starts. On the command line each is its own option, --<plugin>.<name>",
+        json_schema_extra=cli(_PLUGINS))
+
+    @field_validator("plugin_options")
+    @classmethod
+    def _check_option_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if malformed := [key for key in value if "" in key.rpartition(".")]:
+            raise ValueError(f"plugin option keys look like '<plugin>.<name>', not {malformed}")
+        return value
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -35,6 +35,15 @@ class UnsupportedModelError(TokenmillError, ValueError):
     """No installed model plugin implements the checkpoint's architecture."""
 
 
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """The checkpoint's quantization method (or the one asked for) is not installed,
+    or the two disagree; ``installed`` lists the method names that are."""
+
+    def __init__(self, message: str, installed: list[str]) -> None:
+        super().__init__(message)
+        self.installed = installed
+
+
 class PluginError(TokenmillError, RuntimeError):
     """A plugin failed to load, or two plugins claim the same name."""
 
@@ -53,3 +62,8 @@ class QueueFullError(TokenmillError, RuntimeError):
     def __init__(self, message: str, limit: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class ConfigError(TokenmillError, ValueError):
+    """An engine option the installed plugins do not accept: an unknown ``plugin_options`` key,
+    or a value of the wrong type for it."""

@@ -3,12 +3,21 @@
 Each platform plugin answers ``tokenmill_detect_platform`` when its device is
 present; the available platform of highest priority wins. A platform object is
 small: a device, a default dtype, a KV-cache budget, a thread set-up and the
-torch.distributed backend name.
+torch.distributed backend name (:class:`Platform`).
+
+What only some platforms can do is an optional capability, one small
+``runtime_checkable`` protocol each, which the core tests with ``isinstance``
+and does without where it is missing: :class:`ThreadAffine`,
+:class:`KVCacheAllocator`, :class:`KVCachePrefault` and
+:class:`StepGraphCapture`. The ``platform_*`` functions below are those tests,
+with the fallback, so a caller never probes attributes itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -38,6 +47,86 @@ class Platform(Protocol):
         ...
 
     def synchronize(self) -> None: ...
+
+
+# -- optional capabilities ------------------------------------------------------
+
+
+@runtime_checkable
+class ThreadAffine(Protocol):
+    """The platform's compute threads belong to the thread that started them (the CPU's
+    OpenMP teams), so an engine stepped on another thread than the one that built it is
+    slow; the engine core then warns once. Declared as ``thread_affine = True``."""
+
+    thread_affine: bool
+
+
+@runtime_checkable
+class KVCacheAllocator(Protocol):
+    """The platform allocates the KV cache's tensors itself (the CPU platform: lazily
+    mapped host memory on huge pages, resident only where written). Without it they are
+    ``torch.zeros`` on the platform's device."""
+
+    def allocate_kv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One zero-filled K or V tensor of ``shape`` (``[num_blocks, block_size, kv_heads, head_size]``)."""
+        ...
+
+
+@runtime_checkable
+class KVCachePrefault(Protocol):
+    """The platform's KV tensors are host memory whose pages fault in on first write; the
+    runner asks the kernel to populate the first ``kv_cache_prefault_bytes(config)`` of
+    each (lowest block ids first) on a background thread at start-up."""
+
+    def kv_cache_prefault_bytes(self, config: EngineConfig) -> int: ...
+
+
+class StepGraphUnsupported(Exception):
+    """The platform cannot capture this forward (it names the reason); the step runs eagerly."""
+
+
+class StepGraph(Protocol):
+    def replay(self) -> None: ...
+
+
+@runtime_checkable
+class StepGraphCapture(Protocol):
+    """The platform records a forward's kernel calls and replays them (tokenmill.worker.step_graphs).
+    ``new_graph_pool``: the memory the graphs of one runner share (they never run at
+    once), sized for ``max_batch_size``; ``capture_step_graph``: run ``run`` (a forward
+    of ``batch_size`` tokens) once and record it, returning the graph and ``run``'s
+    output tensors, which every replay rewrites. Raises StepGraphUnsupported."""
+
+    def new_graph_pool(self, max_batch_size: int) -> object: ...
+
+    def capture_step_graph(self, run: Callable[[], tuple[torch.Tensor, ...]], pool: object,
+                           batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]: ...
+
+
+@dataclass(frozen=True)
+class DeviceKVAllocator:
+    """The allocation of a platform without :class:`KVCacheAllocator`: zeros on its device."""
+
+    device: torch.device
+
+    def allocate_kv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+def platform_is_thread_affine(platform: Platform) -> bool:
+    return isinstance(platform, ThreadAffine) and bool(platform.thread_affine)
+
+
+def platform_kv_allocator(platform: Platform) -> KVCacheAllocator:
+    return platform if isinstance(platform, KVCacheAllocator) else DeviceKVAllocator(platform.device())
+
+
+def platform_kv_prefault_bytes(platform: Platform, config: EngineConfig) -> int:
+    return platform.kv_cache_prefault_bytes(config) if isinstance(platform, KVCachePrefault) else 0
+
+
+def platform_step_graph_capture(platform: Platform) -> StepGraphCapture | None:
+    return platform if isinstance(platform, StepGraphCapture) else None
 
 
 def detect_platform(plugins: PluginManager) -> Platform:

@@ -3,8 +3,7 @@ every other backend is checked against."""
 
 from typing import Any
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import AttentionBackendSpec
+from tokenmill.plugin_api import AttentionBackendSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

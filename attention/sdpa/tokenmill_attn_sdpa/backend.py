@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import AttentionMetadata, KVCache
 from tokenmill.layers import Attention
+from tokenmill.plugin_api import AttentionMetadata, KVCache
 
 
 @dataclass

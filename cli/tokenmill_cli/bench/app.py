@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from tokenmill.config import EngineConfig
 from tokenmill_cli.bench.options import (
     BenchSeed,
     CustomOutputLen,
@@ -18,7 +19,6 @@ from tokenmill_cli.bench.options import (
     DatasetPath,
     DisableTqdm,
     MetricPercentiles,
-    ModelOption,
     NumPrefixes,
     NumPrompts,
     OfflineBackend,
@@ -33,25 +33,24 @@ from tokenmill_cli.bench.options import (
     SuffixLen,
     Tokenizer,
 )
-from tokenmill_cli.engine_options import (
-    AttentionBackend,
-    BlockSize,
-    Dtype,
-    EnforceEager,
-    GPUMemoryUtilization,
-    KVCacheMemory,
-    MaxGraphBatchSize,
-    MaxModelLen,
-    MaxNumBatchedTokens,
-    MaxNumSeqs,
-    PrefixCaching,
-    StrictPlugins,
-    engine_kwargs,
-)
+from tokenmill_cli.engine_options import MODEL_OPTION, engine_command
 
 T = TypeVar("T")
 
-bench_app = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+
+def build_bench_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
+    """The ``bench`` commands; throughput and latency take the engine options of ``config_cls``."""
+    bench_app = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+    spelling = {"model": MODEL_OPTION, "seed": typer.Option(help="Seeds the dataset, the arrivals and the engine")}
+    bench_app.command("throughput", help="Offline throughput over a dataset: tokens/s, TTFT/TPOT/ITL, roofline.")(
+        engine_command(throughput, config_cls, **spelling))
+    bench_app.command("latency", help="One batch of fixed size, repeated: per-iteration and per-token latency, GB/s.")(
+        engine_command(latency, config_cls, **spelling))
+    bench_app.command("serve", help="Load a running OpenAI-compatible server: Poisson arrivals or a concurrency cap.")(
+        serve)
+    bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark.")(
+        random_model)
+    return bench_app
 
 
 def _guarded(work: Callable[[], T]) -> T:
@@ -76,6 +75,13 @@ def _finish(result: dict[str, Any], *json_paths: Path | None) -> None:
             write_json(path, result)
 
 
+def _model_and_kwargs(engine: EngineConfig) -> tuple[str | None, dict[str, Any]]:
+    """The model apart (the backends take it so), and every other option that has a value: the
+    result's ``engine_args`` records what the engine ran with, defaults included."""
+    kwargs = {name: value for name, value in engine.model_dump().items() if value is not None}
+    return kwargs.pop("model", None), kwargs
+
+
 def _percentiles(text: str) -> tuple[float, ...]:
     from tokenmill_cli.bench.metrics import parse_percentiles
 
@@ -85,9 +91,8 @@ def _percentiles(text: str) -> tuple[float, ...]:
         raise typer.BadParameter(str(exc), param_hint="--metric-percentiles") from exc
 
 
-@bench_app.command("throughput", help="Offline throughput over a dataset: tokens/s, TTFT/TPOT/ITL, roofline.")
 def throughput(
-    model: ModelOption = None,
+    engine: EngineConfig,
     backend: OfflineBackend = "tokenmill",
     hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", "--hf-max-batch-size",
                                                help="Static batch size of --backend hf (1: one at a time)")] = 1,
@@ -106,20 +111,6 @@ def throughput(
     prefix_output_len: PrefixOutputLen = 128,
     sharegpt_output_len: SharegptOutputLen = None,
     custom_output_len: CustomOutputLen = 128,
-    seed: BenchSeed = 0,
-    tokenizer: Tokenizer = None,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 64,
-    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
-    enable_prefix_caching: PrefixCaching = True,
-    kv_cache_memory: KVCacheMemory = None,
-    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
-    block_size: BlockSize = 16,
-    attention_backend: AttentionBackend = None,
-    strict_plugins: StrictPlugins = False,
-    enforce_eager: EnforceEager = False,
-    max_graph_batch_size: MaxGraphBatchSize = None,
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
@@ -138,7 +129,7 @@ def throughput(
     from tokenmill_cli.bench.throughput import ThroughputOptions, print_throughput, run_throughput
 
     dataset = DatasetOptions(
-        name=dataset_name, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        name=dataset_name, num_prompts=num_prompts, seed=engine.seed, random_input_len=random_input_len,
         random_output_len=random_output_len, random_range_ratio=random_range_ratio,
         random_prefix_len=random_prefix_len, prefix_len=prefix_len, suffix_len=suffix_len,
         num_prefixes=num_prefixes, prefix_output_len=prefix_output_len, sharegpt_output_len=sharegpt_output_len,
@@ -151,40 +142,20 @@ def throughput(
                              percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
                              structured_output=structured_output, compare_structured_rounds=compare_structured,
                              disable_log_stats=disable_log_stats)
-    kwargs = engine_kwargs(
-        tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
-        enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size)
+    model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
     (print_comparison if compare_structured else print_throughput)(result)
     _finish(result, output_json)
 
 
-@bench_app.command("latency", help="One batch of fixed size, repeated: per-iteration and per-token latency, GB/s.")
 def latency(
-    model: ModelOption = None,
+    engine: EngineConfig,
     backend: OfflineBackend = "tokenmill",
     input_len: Annotated[int, typer.Option(help="Prompt tokens of each request")] = 32,
     output_len: Annotated[int, typer.Option(help="Tokens each request generates")] = 128,
     batch_size: Annotated[int, typer.Option(help="Requests in the batch")] = 8,
     num_iters_warmup: Annotated[int, typer.Option(help="Iterations run before measuring")] = 3,
     num_iters: Annotated[int, typer.Option(help="Iterations measured")] = 10,
-    seed: BenchSeed = 0,
-    tokenizer: Tokenizer = None,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    max_num_seqs: MaxNumSeqs = 64,
-    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
-    enable_prefix_caching: PrefixCaching = True,
-    kv_cache_memory: KVCacheMemory = None,
-    gpu_memory_utilization: GPUMemoryUtilization = 0.9,
-    block_size: BlockSize = 16,
-    attention_backend: AttentionBackend = None,
-    strict_plugins: StrictPlugins = False,
-    enforce_eager: EnforceEager = False,
-    max_graph_batch_size: MaxGraphBatchSize = None,
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
@@ -192,20 +163,14 @@ def latency(
     from tokenmill_cli.bench.latency import LatencyOptions, print_latency, run_latency
 
     opts = LatencyOptions(backend=backend, input_len=input_len, output_len=output_len, batch_size=batch_size,
-                          num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=seed,
+                          num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=engine.seed,
                           percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm)
-    kwargs = engine_kwargs(
-        tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        seed=seed, attention_backend=attention_backend, strict_plugins=strict_plugins,
-        enforce_eager=enforce_eager, max_graph_batch_size=max_graph_batch_size)
+    model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_latency(model, kwargs, opts))
     print_latency(result)
     _finish(result, output_json)
 
 
-@bench_app.command("serve", help="Load a running OpenAI-compatible server: Poisson arrivals or a concurrency cap.")
 def serve(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="The model name to request; also the tokenizer unless --tokenizer (default: the "
@@ -292,7 +257,6 @@ def _serve_requests(tokenizer_source: str | None, dataset: Any) -> list[Any]:
     return load_dataset(dataset, DatasetContext(tok, Vocabulary.from_tokenizer(tok)))
 
 
-@bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark.")
 def random_model(
     output: Annotated[Path, typer.Argument(help="Folder to write (created if missing)")],
     preset: Annotated[str | None, typer.Option(help="tiny (58M) or 100m; explicit sizes override it")] = None,

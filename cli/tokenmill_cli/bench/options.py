@@ -1,5 +1,5 @@
-"""Options the bench commands share, as ``Annotated`` aliases (engine options
-come from :mod:`tokenmill_cli.engine_options`).
+"""Options the bench commands share, as ``Annotated`` aliases (the engine options of
+throughput and latency are generated from ``EngineConfig`` by :mod:`tokenmill_cli.engine_options`).
 
 Names follow ``vllm bench``, so a vLLM command line works with the program
 name changed; where tokenmill has a shorter name too, both are accepted.
@@ -15,8 +15,6 @@ import typer
 _DATA = "Dataset"
 _OUT = "Output"
 
-ModelOption = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Hub id, checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")]
 Tokenizer = Annotated[str | None, typer.Option(help="Tokenizer folder or hub id (default: the model's)")]
 
 DatasetName = Annotated[str, typer.Option(

@@ -38,7 +38,3 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     backend_data: Any = None
-
-    @property
-    def query_lens_cpu(self) -> np.ndarray:
-        return np.diff(self.query_start_loc_cpu)

@@ -13,8 +13,9 @@ from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import default_model, load_checkpoint
-from tokenmill.platform import Platform, detect_platform, resolve_dtype
+from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutput
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, progress: bool = False) -> None:
-        self.config = config
         self.plugins = plugins or get_plugin_manager(strict=config.strict_plugins)
+        # plugin options checked against what the plugins add, defaults filled in, before any plugin reads them
+        options = resolve_plugin_options(config.plugin_options, plugin_option_specs(self.plugins))
+        self.config = config = config.model_copy(update={"plugin_options": options})
         self.platform: Platform = detect_platform(self.plugins)
         self.platform.configure_process(config)
         self.plugins.hook.tokenmill_process_start(role="engine", rank=0, config=config)
@@ -101,7 +104,7 @@ class EngineCore:
         """Once, where the platform's compute threads belong to the thread that started them
         (``thread_affine``: the CPU's OpenMP teams), stepping from another thread is slow."""
         self._warned_thread = True
-        if getattr(self.platform, "thread_affine", False):
+        if platform_is_thread_affine(self.platform):
             logger.warning(
                 "the engine was built on thread %s and is stepped on thread %s: on the %s platform its "
                 "compute threads belong to the building thread, and decoding runs 1.5-1.8x slower this way; "

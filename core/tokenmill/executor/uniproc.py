@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
-from tokenmill.platform import Platform
+from tokenmill.platform import Platform, platform_kv_prefault_bytes
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.worker import create_model_runner
@@ -25,9 +25,8 @@ class UniProcExecutor(Executor):
         return self.platform.kv_cache_bytes(self.config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # Optional platform method: how much of the cache to fault in now (see CpuPlatform).
-        prefault = getattr(self.platform, "kv_cache_prefault_bytes", None)
-        self.runner.allocate_kv_cache(num_blocks, prefault(self.config) if prefault is not None else 0)
+        # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.
+        self.runner.allocate_kv_cache(num_blocks, platform_kv_prefault_bytes(self.platform, self.config))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

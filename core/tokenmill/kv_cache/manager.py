@@ -38,9 +38,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(self.blocks + other.blocks)
-
 
 @dataclass
 class PrefixCacheStats:

@@ -1,10 +1,22 @@
 """Building blocks shared by model, quantization and attention plugins."""
 
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.linear import Linear, LinearMethod, MergedLinear, UnquantizedLinearMethod
+from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.linear import (
+    Linear,
+    LinearMethod,
+    MergedLinear,
+    OutputShardLoader,
+    UnquantizedLinearMethod,
+    WeightLoader,
+    default_weight_loader,
+    load_weight,
+)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
-from tokenmill.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from tokenmill.layers.quantization import QuantizationConfig
+from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
 
 __all__ = [
     "Attention",
@@ -12,11 +24,19 @@ __all__ = [
     "Linear",
     "LinearMethod",
     "MergedLinear",
+    "ModelBuildContext",
     "NativeLayerOps",
+    "OutputShardLoader",
+    "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
     "UnquantizedLinearMethod",
+    "VocabEmbedding",
+    "WeightLoader",
+    "default_weight_loader",
+    "get_rotary_embedding",
     "layer_ops",
+    "load_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",
 ]

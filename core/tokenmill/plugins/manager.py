@@ -114,15 +114,34 @@ class PluginManager:
         return self.pm.hook
 
     def collect(self, hook_name: str, **kwargs: Any) -> list[HookResult]:
-        """Call every implementation of a collect hook, keeping who answered."""
-        caller = getattr(self.pm.hook, hook_name)
+        """Call every implementation of a hook, keeping each non-``None`` answer and who gave it.
+
+        Each implementation is called through pluggy's own call loop (tracing, hook
+        wrappers, argument selection), on a subset caller that holds only it: the
+        loop answers a plain list without saying which implementation gave which
+        entry, and the provenance is what ``tokenmill plugins`` shows and what a
+        duplicate name's error cites. Implementations run in pluggy's order.
+        """
+        caller = self._checked_caller(hook_name, kwargs)
+        plain = [impl for impl in caller.get_hookimpls() if not (impl.hookwrapper or impl.wrapper)]
         results: list[HookResult] = []
-        for impl in reversed(caller.get_hookimpls()):
-            accepted = {k: v for k, v in kwargs.items() if k in impl.argnames}
-            value = impl.function(**accepted)
-            if value is not None:
-                results.append(HookResult(self.infos[impl.plugin_name], value))
+        for impl in reversed(plain):  # pluggy calls the last registered (and tryfirst) first
+            only = self.pm.subset_hook_caller(hook_name, [other.plugin for other in plain if other is not impl])
+            answer = only(**kwargs)
+            for value in [answer] if caller.spec is not None and caller.spec.opts.get("firstresult") else answer:
+                if value is not None:
+                    results.append(HookResult(self.infos[impl.plugin_name], value))
         return results
+
+    def _checked_caller(self, hook_name: str, kwargs: dict[str, Any]) -> pluggy.HookCaller:
+        """The caller of a declared hook; a misspelled hook or argument name fails here, at once."""
+        caller = getattr(self.pm.hook, hook_name, None)
+        if caller is None or caller.spec is None:
+            raise PluginError(f"{hook_name!r} is not a tokenmill hook; the hooks are {hookspecs.hook_names()}")
+        unknown = sorted(set(kwargs) - set(caller.spec.argnames))
+        if unknown:
+            raise PluginError(f"{hook_name} takes {list(caller.spec.argnames)}, not {unknown}")
+        return caller
 
     def collect_named(self, hook_name: str, **kwargs: Any) -> dict[str, tuple[PluginInfo, Any]]:
         """Merge ``{name: spec}`` answers (dicts, or lists of specs with ``.name``).

@@ -56,18 +56,23 @@ class AttentionBackendSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model class for one architecture name of ``config.json``."""
+    """A model class for one architecture name of ``config.json``.
+
+    Experimental: ``is_generative``, ``supports_pooling`` and ``capabilities`` are
+    accepted but not read by this version (every model may generate and pool).
+    """
 
     qualname: str
-    is_generative: bool = True
-    supports_pooling: bool = True
-    capabilities: frozenset[str] = field(default_factory=frozenset)
+    is_generative: bool = True  # experimental: not read by this version
+    supports_pooling: bool = True  # experimental: not read by this version
+    capabilities: frozenset[str] = field(default_factory=frozenset)  # experimental: not read by this version
 
 
 @dataclass(frozen=True)
 class QuantMethodSpec:
     """A quantization method or quantized checkpoint format.
 
+    ``qualname`` names its :class:`tokenmill.layers.QuantizationConfig` subclass;
     ``checkpoint_aliases`` are the names a checkpoint's ``quantization_config``
     may use; ``file_suffixes`` are single-file formats (``.gguf``) whose
     ``loader_qualname`` turns the file into a config, tokenizer and weights.
@@ -82,7 +87,10 @@ class QuantMethodSpec:
 
 @dataclass(frozen=True)
 class SpecDecodeSpec:
-    """A speculative-decoding proposer."""
+    """A speculative-decoding proposer.
+
+    Experimental: the answer of a reserved hook this version never calls.
+    """
 
     name: str
     proposer_qualname: str
@@ -91,7 +99,10 @@ class SpecDecodeSpec:
 
 @dataclass(frozen=True)
 class KVConnectorSpec:
-    """A KV connector: one half runs in the scheduler, one in each worker."""
+    """A KV connector: one half runs in the scheduler, one in each worker.
+
+    Experimental: the answer of a reserved hook this version never calls.
+    """
 
     name: str
     scheduler_qualname: str
@@ -100,7 +111,12 @@ class KVConnectorSpec:
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """A namespaced option a plugin adds to the CLI and ``LLM(...)``."""
+    """A namespaced option a plugin adds to the CLI and ``LLM(...)`` (``tokenmill_add_options``).
+
+    Its value lives in ``EngineConfig.plugin_options["<plugin>.<name>"]``, validated as ``type``
+    (by pydantic: ``int``, ``float``, ``str``, ``bool``, or a dict/list/model type read as JSON on
+    the command line); ``default`` is used when nobody sets it, ``help`` is the option's help text.
+    """
 
     name: str
     type: type = str

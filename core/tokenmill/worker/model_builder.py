@@ -9,7 +9,10 @@ from typing import cast
 
 import torch
 
+from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.linear import process_weights_after_loading
+from tokenmill.layers.ops import layer_ops
+from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.worker.model_interface import CausalLM
 
@@ -27,14 +30,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                progress: bool = False) -> CausalLM:
+                progress: bool = False, *, quant_config: QuantizationConfig | None = None) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
-    Every parameter must come from the checkpoint: a missing one is an error,
-    not a silently random weight.
+    The model is built as ``model_cls(hf_config, ctx=ModelBuildContext(...))``
+    (:class:`~tokenmill.worker.model_interface.CausalLMClass`), its linear layers
+    taking their methods from ``quant_config``. Every parameter must come from the
+    checkpoint: a missing one is an error, not a silently random weight.
     """
+    ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, params_dtype=dtype,
+                            layer_ops=layer_ops(device))
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(checkpoint.hf_config)
+        model = model_cls(checkpoint.hf_config, ctx=ctx)
     weights = checkpoint.weights()
     if progress:
         from tqdm import tqdm

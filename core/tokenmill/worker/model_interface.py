@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.layers.build_context import ModelBuildContext
+
+
+class CausalLMClass(Protocol):
+    """A model plugin's class: built once per engine, on the target device and dtype,
+    from the checkpoint's ``transformers`` config and the build context (its
+    quantization config, the prefix "" of the whole model, the parallel rank)."""
+
+    def __call__(self, hf_config: Any, *, ctx: ModelBuildContext) -> CausalLM: ...
 
 
 class CausalLM(Protocol):
@@ -21,6 +30,10 @@ class CausalLM(Protocol):
         """Logits ``[N, vocab]``, called only on the positions that sample."""
         ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(checkpoint name, tensor)`` pairs, each through its parameter's
+        ``weight_loader`` (``tokenmill.layers.load_weight``); returns the names of the
+        parameters loaded, which must be all of them."""
+        ...
 
     def modules(self) -> Iterator[nn.Module]: ...

@@ -13,9 +13,9 @@ import torch
 
 from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
+from tokenmill.platform import DeviceKVAllocator, KVCacheAllocator
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from tokenmill.worker.host_memory import lazy_zeros
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.prefault import populate_in_background
@@ -28,15 +28,18 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                 graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0) -> None:
+                 graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
+                 kv_allocator: KVCacheAllocator | None = None) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
-        allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one."""
+        allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
+        ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``)."""
         self.model = model
         self.backend = backend
         self.device = device
         self.dtype = dtype
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.kv_allocator = kv_allocator or DeviceKVAllocator(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -56,19 +59,21 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
-        """``prefault_bytes`` (CPU): how much of the cache to fault in on a background
-        thread, lowest block ids first (a fresh block pool hands those out first), so
-        that the first requests do not pay for faulting in fresh pages."""
+        """``prefault_bytes`` (from a ``KVCachePrefault`` platform, whose KV tensors are host
+        memory): how much of the cache to fault in on a background thread, lowest block ids
+        first (a fresh block pool hands those out first), so that the first requests do not
+        pay for faulting in fresh pages."""
         self.kv_caches = []
         if self.graphs is not None:
             self.graphs.clear()  # they hold the caches they were captured on
         prefault_blocks = min(num_blocks, prefault_bytes // self.kv_bytes_per_block())
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+            allocate = self.kv_allocator.allocate_kv_tensor
+            cache = (allocate(shape, self.dtype), allocate(shape, self.dtype))
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
-        if prefault_blocks and self.device.type == "cpu":
+        if prefault_blocks:
             tensors = [t for cache in self.kv_caches for t in cache]
             populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
@@ -271,13 +276,6 @@ def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:
         elif value == -math.inf:
             failed[i] = "every token's logit is -inf for this request: nothing can be sampled"
     return failed
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV tensor; on the CPU resident only where written, on huge pages (see host_memory)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return lazy_zeros(shape, dtype, huge_pages=True)
 
 
 def _token_logprobs(lists: Any, index: int, num_logprobs: int) -> TokenLogprobs:

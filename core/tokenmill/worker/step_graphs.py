@@ -2,8 +2,9 @@
 
 At small decode batches a forward's kernels do little work each, and launching
 them from Python costs as much as they run (on the CPU ~1 ms of a 7 ms batch-1
-step). A platform that can record a forward's kernel calls (``capture_step_graph``,
-the CPU platform's C++ step graph; CUDA graphs would fit the same seam) lets the
+step). A platform that can record a forward's kernel calls (the
+``tokenmill.platform.StepGraphCapture`` capability: the CPU platform's C++ step
+graph; CUDA graphs would fit the same seam) lets the
 runner replay them instead: the inputs are copied into the captured tensors, the
 graph reruns every kernel on the same buffers, and the captured outputs hold the
 hidden states and the logits of every token (each request of a decode step samples
@@ -22,27 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.platform import StepGraph, StepGraphCapture, StepGraphUnsupported
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.step_inputs import StepInputs
+
+# The capture types live with the platform's other capabilities (tokenmill.platform); re-exported.
+__all__ = ["DecodeGraphs", "KernelProfile", "StepGraph", "StepGraphCapture", "StepGraphUnsupported"]
 
 logger = logging.getLogger(__name__)
 # The metadata tensors a replay refreshes (the block table separately: it is captured at full width).
 _METADATA_TENSORS = ("query_start_loc", "seq_lens", "context_lens", "slot_mapping")
-
-
-class StepGraphUnsupported(Exception):
-    """The platform cannot capture this forward (it names the reason); the step runs eagerly."""
-
-
-class StepGraph(Protocol):
-    def replay(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -60,19 +56,6 @@ class KernelProfile:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
             self.calls[name] = self.calls.get(name, 0) + 1
         self.steps += 1
-
-
-class StepGraphCapture(Protocol):
-    """The optional platform capability. ``new_graph_pool``: the memory the graphs of one
-    runner share (they never run at once), sized for ``max_batch_size``;
-    ``capture_step_graph``: run ``run`` (a forward of ``batch_size`` tokens) once and
-    record it, returning the graph and ``run``'s output tensors, which every replay
-    rewrites. Raises StepGraphUnsupported."""
-
-    def new_graph_pool(self, max_batch_size: int) -> object: ...
-
-    def capture_step_graph(self, run: Callable[[], tuple[torch.Tensor, ...]], pool: object,
-                           batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]: ...
 
 
 @dataclasses.dataclass

@@ -10,6 +10,9 @@ import torch
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.worker.input_batch import InputBatch
 
+# Where numpy arrays (and so every input built here) are; no platform chooses this.
+_HOST = torch.device("cpu")
+
 
 @dataclass
 class StepInputs:
@@ -41,11 +44,11 @@ def build_step_inputs(batch: InputBatch, num_scheduled_by_id: dict[str, int], de
     seq_lens = context_lens + counts
     max_blocks = int(-(-seq_lens.max() // block_size))
 
-    on_host = device.type == "cpu"
+    needs_copy = device != _HOST  # torch.from_numpy tensors live where numpy does
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if on_host else tensor.to(device, non_blocking=True)  # a no-op .to() still dispatches
+        return tensor.to(device, non_blocking=True) if needs_copy else tensor  # a no-op .to() still dispatches
 
     metadata = AttentionMetadata(
         num_reqs=len(rows),

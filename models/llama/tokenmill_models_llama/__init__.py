@@ -3,8 +3,7 @@
 This module is the entry point: it imports no torch; the classes load lazily.
 """
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import ModelSpec
+from tokenmill.plugin_api import ModelSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

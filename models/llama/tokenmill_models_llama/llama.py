@@ -3,7 +3,9 @@
 Qwen2 adds a bias to the q/k/v projections; Qwen3 normalises each head of q
 and k; Mistral is Llama with a sliding window, which the config carries.
 q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
-checkpoint's separate tensors into their shards.
+checkpoint's separate tensors into their shards. Every module is built from the
+model's build context, so each linear layer knows its checkpoint prefix
+(``model.layers.3.self_attn.qkv_proj``) and takes its method from the quant config.
 """
 
 from __future__ import annotations
@@ -15,8 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention import AttentionMetadata
-from tokenmill.layers import Attention, Linear, MergedLinear, RMSNorm, RotaryEmbedding, layer_ops
+from tokenmill.layers import (
+    Attention,
+    Linear,
+    MergedLinear,
+    ModelBuildContext,
+    RMSNorm,
+    UnquantizedLinearMethod,
+    VocabEmbedding,
+    get_rotary_embedding,
+    layer_ops,
+    load_weight,
+)
+from tokenmill.plugin_api import AttentionMetadata
 
 # checkpoint projection name -> (merged parameter, shard index)
 _STACKED = {
@@ -46,17 +59,19 @@ def _sliding_window(config: Any, layer_index: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = _head_size(config)
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
+                                     ctx=ctx.child("qkv_proj"))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"))
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config, self.head_size, config.max_position_embeddings)
+        self.rotary_emb = get_rotary_embedding(ctx, self.head_size, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5,
                               _sliding_window(config, layer_index), layer_index)
 
@@ -73,11 +88,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                         ctx=ctx.child("gate_up_proj"))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx.child("down_proj"))
         self.is_silu = config.hidden_act == "silu"
         self.act = _ACTIVATIONS[config.hidden_act]
 
@@ -90,10 +106,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_index: int, flags: dict[str, bool]) -> None:
+    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, flags: dict[str, bool]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, **flags)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_index, ctx.child("self_attn"), **flags)
+        self.mlp = LlamaMLP(config, ctx.child("mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,10 +128,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, flags: dict[str, bool]) -> None:
+    def __init__(self, config: Any, ctx: ModelBuildContext, flags: dict[str, bool]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -129,13 +146,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, and Mistral (same weights; the sliding window comes from the config)."""
+    """Llama, and Mistral (same weights; the sliding window comes from the config).
+
+    Built as ``LlamaForCausalLM(hf_config, ctx=ctx)``; ``ctx.prefix`` is "" for a
+    whole model (the checkpoint's names start at ``model.`` and ``lm_head``).
+    """
 
     qkv_bias: ClassVar[bool | None] = None  # None: the config's ``attention_bias``
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
         self.config = config
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -144,9 +165,11 @@ class LlamaForCausalLM(nn.Module):
             "o_bias": attention_bias if self.o_bias is None else self.o_bias,
             "qk_norm": self.qk_norm,
         }
-        self.model = LlamaModel(config, flags)
+        self.model = LlamaModel(config, ctx.child("model"), flags)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        # A tied lm_head multiplies by the embedding table itself, so it stays float.
+        tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"), quant_method=tied_method)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -158,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors (Hugging Face names); returns the parameters loaded."""
-        modules = dict(self.named_modules())
+        """Load checkpoint tensors (Hugging Face names) through each parameter's weight
+        loader, q/k/v and gate/up as shards of their merged layer; returns the
+        parameters loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -167,15 +191,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, leaf = name.rpartition(".")
             owner, _, proj = module_path.rpartition(".")
+            shard: int | None = None
             if proj in _STACKED:
                 merged, shard = _STACKED[proj]
-                modules[f"{owner}.{merged}"].load_shard(leaf, tensor, shard)
-                loaded.add(f"{owner}.{merged}.{leaf}")
-            elif name in params:
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-            else:
+                name = f"{owner}.{merged}.{leaf}"
+            if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            load_weight(params[name], tensor, shard)
+            loaded.add(name)
         return loaded
 
 

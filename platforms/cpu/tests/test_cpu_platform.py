@@ -73,3 +73,34 @@ def test_packed_weights_budget(monkeypatch):
     assert packed_weights_budget() == 0
     monkeypatch.setenv("TOKENMILL_PACKED_WEIGHTS", "2GiB")
     assert packed_weights_budget() == 2 << 30
+
+
+def test_declares_every_optional_capability():
+    from tokenmill.platform import (
+        KVCacheAllocator,
+        KVCachePrefault,
+        StepGraphCapture,
+        ThreadAffine,
+        platform_is_thread_affine,
+        platform_kv_allocator,
+        platform_step_graph_capture,
+    )
+
+    platform = CpuPlatform()
+    for capability in (ThreadAffine, KVCacheAllocator, KVCachePrefault, StepGraphCapture):
+        assert isinstance(platform, capability), capability.__name__
+    assert platform_is_thread_affine(platform)
+    assert platform_kv_allocator(platform) is platform
+    assert platform_step_graph_capture(platform) is platform
+
+
+def test_kv_tensors_are_lazy_zeros_on_huge_page_boundaries():
+    import mmap
+
+    from tokenmill.worker.host_memory import HUGE_PAGE
+
+    tensor = CpuPlatform().allocate_kv_tensor((4, 16, 2, 8), torch.bfloat16)
+    assert tensor.shape == (4, 16, 2, 8) and tensor.dtype == torch.bfloat16
+    assert not tensor.any()
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # its own mapping, aligned for huge pages: not a torch.zeros block
+        assert tensor.data_ptr() % HUGE_PAGE == 0

@@ -3,8 +3,7 @@
 
 from typing import Any
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import AttentionBackendSpec, PlatformSpec
+from tokenmill.plugin_api import AttentionBackendSpec, PlatformSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

@@ -23,7 +23,7 @@ import ctypes
 import logging
 import os
 
-from tokenmill.config import parse_size
+from tokenmill.plugin_api import parse_size
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import AttentionMetadata, KVCache
 from tokenmill.layers import Attention
+from tokenmill.plugin_api import AttentionMetadata, KVCache
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.step_graph import active_kernels
 

@@ -2,7 +2,10 @@
 cache sized by ``--kv-cache-memory`` (default: a quarter of available RAM, at
 most 1 GiB), its kernels registered as layer ops and sampling kernels, small
 decode batches replayed as step graphs (see step_graph), and malloc told to keep
-freed memory for the next step (see allocator)."""
+freed memory for the next step (see allocator).
+
+Beside tokenmill.plugin_api.Platform it has every optional capability there:
+ThreadAffine, KVCacheAllocator, KVCachePrefault and StepGraphCapture."""
 
 from __future__ import annotations
 
@@ -12,10 +15,15 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.config import EngineConfig, parse_size
 from tokenmill.layers import register_layer_ops
-from tokenmill.sample.kernels import register_sampling_kernels
-from tokenmill.worker.step_graphs import StepGraph, StepGraphUnsupported
+from tokenmill.plugin_api import (
+    EngineConfig,
+    StepGraph,
+    StepGraphUnsupported,
+    lazy_zeros,
+    parse_size,
+    register_sampling_kernels,
+)
 from tokenmill_platform_cpu.allocator import keep_freed_memory, retain_bytes
 from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
@@ -86,6 +94,12 @@ class CpuPlatform:
         holds memory the first few hundred sequences would take anyway."""
         wanted = parse_size(os.environ.get("TOKENMILL_KV_PREFAULT", DEFAULT_KV_PREFAULT))
         return min(wanted, self.kv_cache_bytes(config))
+
+    def allocate_kv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeros resident only where written, on transparent huge pages (tokenmill's
+        lazy_zeros): a generous budget costs nothing up front, and decode steps, which read
+        blocks scattered over the whole cache, miss the TLB less."""
+        return lazy_zeros(shape, dtype, huge_pages=True)
 
     def new_graph_pool(self, max_batch_size: int) -> object:
         kernels = load_kernels()

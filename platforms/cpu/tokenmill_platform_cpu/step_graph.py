@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from tokenmill.worker.step_graphs import StepGraphUnsupported
+from tokenmill.plugin_api import StepGraphUnsupported
 
 _ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
 # Calls that return facts about a tensor rather than its values (`__get__`: shape, dtype, ...).

@@ -13,3 +13,13 @@ def test_detection_matches_torch():
     found = {r.value.name for r in manager.collect("tokenmill_detect_platform")}
     assert ("cuda" in found) == (torch.cuda.is_available() and torch.version.hip is None)
     assert "cpu" in found
+
+
+def test_kv_tensors_fall_back_to_zeros_on_the_device():
+    """The CUDA platform declares none of the CPU's host-memory capabilities (no device needed to check)."""
+    from tokenmill.platform import DeviceKVAllocator, platform_is_thread_affine, platform_kv_allocator
+    from tokenmill_platform_cuda.platform import CudaPlatform
+
+    platform = CudaPlatform(device_index=1)
+    assert platform_kv_allocator(platform) == DeviceKVAllocator(torch.device("cuda", 1))
+    assert not platform_is_thread_affine(platform)

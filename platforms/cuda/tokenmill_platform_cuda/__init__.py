@@ -6,8 +6,7 @@ plugins stays cheap.
 
 from __future__ import annotations
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import PlatformSpec
+from tokenmill.plugin_api import PlatformSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

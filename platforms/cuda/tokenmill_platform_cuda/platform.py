@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.plugin_api import EngineConfig
 
 
 class CudaPlatform:

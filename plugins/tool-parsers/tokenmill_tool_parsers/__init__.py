@@ -4,7 +4,7 @@ Importing this module imports no parser: the hook names them by qualname and
 the server imports the one ``--tool-call-parser`` chooses.
 """
 
-from tokenmill.hookspecs import hookimpl
+from tokenmill.plugin_api import hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

@@ -3,7 +3,7 @@ one block per call, free text around them."""
 
 from __future__ import annotations
 
-from tokenmill.tool_parsers import FunctionTool
+from tokenmill.plugin_api import FunctionTool
 from tokenmill_tool_parsers.json_calls import JsonCallParser, Snapshot, call_prefix
 from tokenmill_tool_parsers.json_scan import NotJSON, PartialCall, held_back, read_call, skip_whitespace
 

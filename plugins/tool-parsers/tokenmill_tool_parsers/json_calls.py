@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.tool_parsers import ExtractedToolCalls, FunctionTool, ToolCall, ToolCallDelta, ToolCallPiece
+from tokenmill import StructuredOutputsParams
+from tokenmill.plugin_api import ExtractedToolCalls, FunctionTool, ToolCall, ToolCallDelta, ToolCallPiece
 from tokenmill_tool_parsers.json_scan import PartialCall
 
 

@@ -4,7 +4,7 @@ that way is plain content."""
 
 from __future__ import annotations
 
-from tokenmill.tool_parsers import FunctionTool
+from tokenmill.plugin_api import FunctionTool
 from tokenmill_tool_parsers.json_calls import JsonCallParser, Snapshot, call_prefix
 from tokenmill_tool_parsers.json_scan import NotJSON, PartialCall, read_call, skip_whitespace
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import QuantMethodSpec
+from tokenmill.plugin_api import QuantMethodSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

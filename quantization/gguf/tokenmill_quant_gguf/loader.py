@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from gguf import GGUFReader
 
-from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill.plugin_api import Checkpoint
 from tokenmill_quant_gguf.architectures import architecture_of
 from tokenmill_quant_gguf.hf_config import build_hf_config, generation_defaults
 from tokenmill_quant_gguf.metadata import GGUFMetadata, read_metadata

@@ -10,7 +10,7 @@ import torch
 from gguf import ReaderTensor
 from gguf.quants import dequantize
 
-from tokenmill.model_loader.checkpoint import WeightsIterator
+from tokenmill.plugin_api import WeightsIterator
 from tokenmill_quant_gguf.rope_permute import unpermute_rope_rows
 from tokenmill_quant_gguf.tensor_names import gguf_to_hf_name
 

@@ -9,8 +9,7 @@ A checkpoint opts in through its ``config.json``::
 The weights are the inner architecture's, unchanged.
 """
 
-from tokenmill.hookspecs import hookimpl
-from tokenmill.plugins.specs import ModelSpec
+from tokenmill.plugin_api import ModelSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.plugins.manager import get_plugin_manager
-from tokenmill.plugins.specs import resolve_qualname
+from tokenmill.layers import ModelBuildContext
+from tokenmill.plugin_api import get_plugin_manager, resolve_qualname
 
 
 class InjectedFault(RuntimeError):
@@ -52,10 +52,11 @@ def _inner_class(architecture: str) -> type:
 
 
 class FaultInjectionForCausalLM(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
         self.faults = FaultConfig.of(config)
-        self.inner = _inner_class(self.faults.inner_architecture)(config)
+        # The same context: the inner model's layers have the checkpoint's names.
+        self.inner = _inner_class(self.faults.inner_architecture)(config, ctx=ctx)
 
     def _holds(self, input_ids: torch.Tensor, token: int | None) -> bool:
         return token is not None and bool((input_ids == token).any())

@@ -1,0 +1,147 @@
+"""The public surface for plugins: every name a plugin may import, in one place.
+
+A shipped plugin imports from exactly three modules of tokenmill (the test
+``tests/test_plugin_api.py`` enforces it):
+
+* ``tokenmill`` — the user API (``LLM``, ``SamplingParams``, ``EngineConfig``,
+  ``StructuredOutputsParams``, the errors), as listed in its ``__all__``;
+* ``tokenmill.plugin_api`` — this module: the hook marker, the spec records, the
+  platform capabilities, the attention, checkpoint, sampling-kernel, structured
+  output, tool-parser and executor interfaces, as listed in ``__all__`` below;
+* ``tokenmill.layers`` — the building blocks models, quantization methods and
+  platforms meet at: anything its ``__all__`` lists is public.
+
+Everything else under ``tokenmill`` is internal and may change in any release;
+the names here change only with ``PLUGIN_API_VERSION``. The names that need
+torch load on first use, so an entry-point module can import the hook marker and
+the spec records from here without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.errors import InvalidRequestError, PluginError, UnsupportedModelError
+from tokenmill.hookspecs import PLUGIN_API_VERSION, ExperimentalHookWarning, hookimpl
+from tokenmill.plugins.specs import (
+    AttentionBackendSpec,
+    KVConnectorSpec,
+    ModelSpec,
+    OptionSpec,
+    PlatformSpec,
+    QuantMethodSpec,
+    SpecDecodeSpec,
+    resolve_qualname,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
+    from tokenmill.config import EngineConfig, parse_size
+    from tokenmill.executor import Executor
+    from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
+    from tokenmill.platform import (
+        DeviceKVAllocator,
+        KVCacheAllocator,
+        KVCachePrefault,
+        Platform,
+        StepGraph,
+        StepGraphCapture,
+        StepGraphUnsupported,
+        ThreadAffine,
+    )
+    from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+    from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
+    from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+    from tokenmill.tool_parsers import (
+        ExtractedToolCalls,
+        FunctionTool,
+        ToolCall,
+        ToolCallDelta,
+        ToolCallPiece,
+        ToolCallStreamer,
+        ToolParser,
+    )
+    from tokenmill.worker.host_memory import lazy_zeros
+
+# name -> the internal module it is defined in, imported on first use
+_LAZY = {
+    **dict.fromkeys(["AttentionBackend", "AttentionMetadata", "AttentionRequirements", "KVCache"],
+                    "tokenmill.attention"),
+    **dict.fromkeys(["EngineConfig", "parse_size"], "tokenmill.config"),
+    "Executor": "tokenmill.executor",
+    **dict.fromkeys(["Checkpoint", "WeightsIterator"], "tokenmill.model_loader.checkpoint"),
+    **dict.fromkeys(["DeviceKVAllocator", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
+                     "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine"], "tokenmill.platform"),
+    **dict.fromkeys(["PluginManager", "get_plugin_manager"], "tokenmill.plugins.manager"),
+    **dict.fromkeys(["SamplingKernels", "register_sampling_kernels"], "tokenmill.sample.kernels"),
+    **dict.fromkeys(["GrammarMatcher", "StructuredOutputBackend"], "tokenmill.structured_output.backend"),
+    **dict.fromkeys(["ExtractedToolCalls", "FunctionTool", "ToolCall", "ToolCallDelta", "ToolCallPiece",
+                     "ToolCallStreamer", "ToolParser"], "tokenmill.tool_parsers"),
+    "lazy_zeros": "tokenmill.worker.host_memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenmill.plugin_api' has no attribute {name!r}")
+
+
+__all__ = [
+    # hooks and spec records (tokenmill.hookspecs, tokenmill.plugins.specs)
+    "PLUGIN_API_VERSION",
+    "AttentionBackendSpec",
+    "ExperimentalHookWarning",
+    "KVConnectorSpec",
+    "ModelSpec",
+    "OptionSpec",
+    "PlatformSpec",
+    "QuantMethodSpec",
+    "SpecDecodeSpec",
+    "hookimpl",
+    "resolve_qualname",
+    # errors a plugin raises
+    "InvalidRequestError",
+    "PluginError",
+    "UnsupportedModelError",
+    # configuration
+    "EngineConfig",
+    "parse_size",
+    # platforms and their optional capabilities
+    "DeviceKVAllocator",
+    "KVCacheAllocator",
+    "KVCachePrefault",
+    "Platform",
+    "StepGraph",
+    "StepGraphCapture",
+    "StepGraphUnsupported",
+    "ThreadAffine",
+    "SamplingKernels",
+    "register_sampling_kernels",
+    "lazy_zeros",
+    # attention backends
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionRequirements",
+    "KVCache",
+    # checkpoints (single-file formats)
+    "Checkpoint",
+    "WeightsIterator",
+    # executors
+    "Executor",
+    # structured-output backends
+    "GrammarMatcher",
+    "StructuredOutputBackend",
+    # tool-call parsers
+    "ExtractedToolCalls",
+    "FunctionTool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallPiece",
+    "ToolCallStreamer",
+    "ToolParser",
+    # the process's plugin registry (to look up what other plugins registered)
+    "PluginManager",
+    "get_plugin_manager",
+]
