@@ -136,7 +136,9 @@ def _build(folder: Path) -> ModuleType:
         (staging / _CPU_FILE).write_text(_cpu_features())
         staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
         staging.rename(folder)
-        module.__file__ = str(library_path(folder))  # where it now lies
+        module.__file__ = str(library_path(folder))  # where it now lies (not the temporary name)
+        if module.__spec__ is not None:
+            module.__spec__.origin = module.__file__
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already if the build succeeded
     return module
