@@ -1,11 +1,33 @@
-"""The CPU platform's C++ kernels, compiled once per machine and Python environment.
+"""The CPU platform's C++ kernels, compiled once per machine, Python environment and source.
 
 ``torch.utils.cpp_extension.load`` builds them with the machine's compiler (and
-ninja). ``scripts/install`` triggers the build; otherwise the first engine does.
-Each Python environment (its prefix and torch version) gets its own build folder,
-so two environments on one machine do not rebuild each other's module at every
-switch. Where no compiler is available, :func:`load_kernels` returns None and the
-platform runs the torch reference ops and the SDPA attention backend instead.
+ninja). ``scripts/install`` triggers the build; otherwise the first engine does,
+saying so on the log (see :mod:`.build_progress`). Where no compiler is available,
+:func:`load_kernels` returns None and the platform runs the torch reference ops and
+the SDPA attention backend instead.
+
+Each build lives in a folder named by what it was built from (the Python
+environment and torch version, then the sources, the flags and the CPU), and is
+only ever written under a temporary name and renamed into place once complete. So:
+
+- a complete build is loaded as it is, without running ninja: a process whose PATH
+  finds another ninja (whose log format differs, which makes ninja start over) or
+  another checkout's sources never rebuilds it;
+- a build that was killed leaves only a temporary folder, which the next build
+  removes; builds take turns under :func:`.build_lock.exclusive`, which the
+  operating system releases when its holder dies, so no stale lock is ever waited on;
+- a changed source gets a new folder, seeded with the newest previous build's
+  objects so that ninja recompiles only what changed.
+
+The build runs the ``ninja`` of the ``ninja`` Python package (a dependency of this
+distribution) whatever PATH says, so seeded logs are always read by the ninja that
+wrote them.
+
+Why not compile at install time, as a wheel's extension module: the module links
+against one torch version's C++ ABI (a wheel per torch release), pip's build
+isolation would install a (multi-GB, CUDA) torch just to build it, and a
+distributable build cannot use ``-march=native``; the kernels' AVX-512 bodies would
+need a second AVX2 build and a run-time dispatch, doubling the compile.
 """
 
 from __future__ import annotations
@@ -14,19 +36,35 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from tokenmill_platform_cpu.kernels import build_lock, build_progress
+
 logger = logging.getLogger(__name__)
+MODULE_NAME = "tokenmill_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bindings.cpp", "paged_attention.cpp", "cache_write.cpp", "layer_ops.cpp",
                           "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp", "step_graph.cpp")]
+_HEADERS = [Path(__file__).with_name("vector_expf.h")]
+# -ffast-math for the reassociated (vectorised) reductions, but not its finite-math
+# assumption: error isolation finds a broken request by the NaN or inf in its logits,
+# which every kernel on the way to them must carry through, not fold away (and
+# vector_expf.h keeps the vector expf that this would otherwise lose).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+LDFLAGS = ["-fopenmp"]
+_STAGING_MARK = ".building-"
+_CPU_FILE = "cpu-flags"  # in each build: the CPU it was built for
 
 
-def build_directory() -> Path:
+def environment_directory() -> Path:
     """``$TOKENMILL_KERNEL_CACHE`` (default ``~/.cache/tokenmill/kernels``), then one folder
-    per Python environment and torch version."""
+    per Python environment and torch version: the builds of that environment lie in it."""
     import torch
 
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
@@ -34,21 +72,23 @@ def build_directory() -> Path:
     return root / f"py{sys.version_info.major}{sys.version_info.minor}-{environment}"
 
 
+def build_directory() -> Path:
+    """The folder of the build for these sources, flags and CPU (complete once it exists)."""
+    key = hashlib.sha1()
+    for source in _SOURCES + _HEADERS:
+        key.update(str(source).encode() + b"\0" + source.read_bytes() + b"\0")
+    key.update(" ".join(CFLAGS + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
+    return environment_directory() / key.hexdigest()[:16]
+
+
+def library_path(folder: Path) -> Path:
+    return folder / f"{MODULE_NAME}.so"
+
+
 @functools.cache
 def load_kernels() -> ModuleType | None:
     try:
-        from torch.utils.cpp_extension import load
-
-        folder = build_directory()
-        folder.mkdir(parents=True, exist_ok=True)
-        return load(
-            name="tokenmill_cpu_kernels",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        return _load_or_build(build_directory())
     except Exception as exc:  # no compiler, no ninja, unsupported flags: run without the kernels
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops and SDPA attention", exc)
         return None
@@ -56,3 +96,112 @@ def load_kernels() -> ModuleType | None:
 
 def kernels_available() -> bool:
     return load_kernels() is not None
+
+
+def _load_or_build(folder: Path) -> ModuleType:
+    if library_path(folder).exists():
+        return _import_library(library_path(folder))
+    with build_lock.exclusive(folder.parent / "build.lock"):
+        if library_path(folder).exists():  # built by the process we waited for
+            return _import_library(library_path(folder))
+        return _build(folder)
+
+
+def _import_library(path: Path) -> ModuleType:
+    """Import a complete build's module (torch first: the module links against libtorch)."""
+    import importlib.util
+
+    import torch  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the CPU kernels from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(folder: Path) -> ModuleType:
+    """Compile into a temporary sibling of ``folder``, then rename it into place. Called
+    under the build lock, so every other temporary folder is a dead build's leftover."""
+    from torch.utils.cpp_extension import load
+
+    _remove_abandoned_builds(folder.parent)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + _STAGING_MARK, dir=folder.parent))
+    try:
+        _seed_from_previous_build(staging, folder.parent)
+        with _packaged_ninja_first(folder.parent), build_progress.reported(staging, len(_SOURCES)):
+            module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=CFLAGS,
+                          extra_ldflags=LDFLAGS, build_directory=str(staging), verbose=False)
+        (staging / _CPU_FILE).write_text(_cpu_features())
+        staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
+        staging.rename(folder)
+        module.__file__ = str(library_path(folder))  # where it now lies (not the temporary name)
+        if module.__spec__ is not None:
+            module.__spec__.origin = module.__file__
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already if the build succeeded
+    return module
+
+
+def _remove_abandoned_builds(environment: Path) -> None:
+    for leftover in environment.glob(f"*{_STAGING_MARK}*"):
+        logger.warning("removing %s, left by an interrupted kernel build", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _seed_from_previous_build(staging: Path, environment: Path) -> None:
+    """Copy the newest complete build's objects and ninja logs (with their times), so
+    that ninja recompiles only the sources that changed since. Only a build for this
+    CPU: ninja cannot tell, ``-march=native`` reads the same for every CPU."""
+    builds = [f for f in environment.iterdir()
+              if library_path(f).exists() and _read(f / _CPU_FILE) == _cpu_features()]
+    if builds:
+        newest = max(builds, key=lambda f: library_path(f).stat().st_mtime)
+        shutil.copytree(newest, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+
+
+@contextmanager
+def _packaged_ninja_first(environment: Path) -> Iterator[None]:
+    """Put the ``ninja`` Python package's binary first on PATH for the build (torch runs
+    ``ninja`` from PATH) by a folder holding a link to it alone; without the package,
+    PATH's ninja builds."""
+    try:
+        import ninja
+
+        binary = Path(ninja.BIN_DIR) / "ninja"
+    except ImportError:
+        binary = None
+    if binary is None or not binary.exists():
+        yield
+        return
+    link_folder = environment / "ninja-bin"
+    link_folder.mkdir(exist_ok=True)
+    link = link_folder / "ninja"
+    link.unlink(missing_ok=True)
+    link.symlink_to(binary)
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = str(link_folder) + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags: ``-march=native`` builds for them, so a kernel cache shared
+    between machines (a network home) keeps one build per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        import platform
+
+        return platform.machine()

@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vector_expf.h"
+
 namespace {
 
 // Rows per task: at least ~16K elements of work.

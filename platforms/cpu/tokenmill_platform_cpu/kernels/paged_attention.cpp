@@ -23,11 +23,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "vector_expf.h"
+
 namespace {
 
 // probabilities in place; returns their sum
 inline float softmax_numerators(float* scores, int64_t n) {
   float m = scores[0];
+  // vectorised in any order: a NaN score that the max skips still makes its exp, and the sum, NaN
+#pragma omp simd reduction(max : m)
   for (int64_t j = 1; j < n; ++j) m = std::max(m, scores[j]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)

@@ -17,6 +17,8 @@
 #include <limits>
 #include <vector>
 
+#include "vector_expf.h"
+
 namespace {
 
 constexpr int64_t kChunk = 64;
