@@ -158,8 +158,11 @@ def test_a_slow_consumer_skips_to_the_newest_output(llm):
         return first, [output async for output in stream]
 
     first, rest = asyncio.run(scenario())
-    assert len(first.outputs[0].token_ids) == 1
-    assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 40
+    # How far the request got before the first read depends on the machine's load; what may
+    # not happen is a backlog: after the first read, at most the one final output.
+    assert len(rest) <= 1
+    final = (rest or [first])[-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 40
 
 
 def test_abort_all_ends_every_request(llm):
