@@ -46,6 +46,9 @@ def serve(
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         "--enable-auto-tool-choice", help='Allow tool_choice "auto" (the model decides; its reply is parsed)',
         rich_help_panel=_SERVER)] = False,
+    reasoning_parser: Annotated[str | None, typer.Option(
+        help="Split a reasoning model's <think> section into reasoning_content with this registered parser "
+             "(deepseek_r1, qwen3, ...: see `tokenmill plugins`)", rich_help_panel=_SERVER)] = None,
     max_queued_requests: MaxQueuedRequests = None,
     max_queued_tokens: MaxQueuedTokens = None,
     shutdown_timeout: ShutdownTimeout = 30.0,
@@ -61,6 +64,7 @@ def serve(
     try:
         template = load_chat_template(chat_template)
         _check_tool_options(tool_call_parser, enable_auto_tool_choice)
+        _check_reasoning_parser(reasoning_parser)
         llm = AsyncLLM(max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
                        **engine.model_dump(exclude_unset=True))
     except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
@@ -70,7 +74,8 @@ def serve(
                                   "log_stats": not disable_log_stats, "log_stats_interval": log_stats_interval,
                                   "enable_metrics": not disable_metrics}
     # tool calling rides along with the other settings
-    operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+    operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                      reasoning_parser=reasoning_parser)
     _run(llm, engine.model, host, port, api_key, served_model_name, template, log_level, operations)
 
 
@@ -83,6 +88,14 @@ def _check_tool_options(parser: str | None, enable_auto: bool) -> None:
         raise InvalidRequestError("--enable-auto-tool-choice needs --tool-call-parser", param="tool_call_parser")
     if parser is not None:
         parser_class(parser)
+
+
+def _check_reasoning_parser(name: str | None) -> None:
+    """Before the model loads: an unknown parser name fails now, listing the registered ones."""
+    from tokenmill_cli.server.reasoning import reasoning_parser_class
+
+    if name is not None:
+        reasoning_parser_class(name)
 
 
 def _run(engine: Any, model: str | None, host: str, port: int, api_key: str | None,

@@ -48,7 +48,8 @@ calls the hooks in this order, each in the process named:
 7. engine process, once the KV cache is allocated:
    :func:`tokenmill_register_structured_output_backends`.
 
-The server calls :func:`tokenmill_register_tool_parsers` when it starts.
+The server calls :func:`tokenmill_register_tool_parsers` and
+:func:`tokenmill_register_reasoning_parsers` when it starts.
 ``tokenmill plugins`` calls every registration hook (those taking no argument
 but ``platform``) to list what each plugin registers.
 
@@ -337,6 +338,23 @@ def tokenmill_register_tool_parsers() -> dict[str, str] | None:
     """
 
 
+@hookspec
+def tokenmill_register_reasoning_parsers() -> dict[str, str] | None:
+    """Map reasoning parser names to ``"module:Class"`` qualnames.
+
+    :returns: ``{name: "module:Class"}``; the class implements
+        :class:`tokenmill.plugin_api.ReasoningParser` (split a reply into its reasoning and
+        its content, whole or streamed, and move a structured-output constraint past the
+        reasoning section) and is imported only when chosen.
+
+    Called: in the server process when it starts with ``--reasoning-parser NAME``, and by
+    ``tokenmill plugins``.
+
+    Default: none in the core; deepseek_r1 and qwen3 ship in
+    ``tokenmill-reasoning-parsers``. Collect hook; names must be unique across plugins.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Experimental: reserved names this version never calls. An implementation is
 # accepted (with an ExperimentalHookWarning) and ignored; the issue that needs
@@ -359,14 +377,6 @@ def tokenmill_register_kv_connectors() -> list[KVConnectorSpec] | None:
     """Return KV connectors, a scheduler half and a worker half each (reserved).
 
     :returns: :class:`~tokenmill.plugins.specs.KVConnectorSpec` records.
-
-    Called: never by this version. Collect hook.
-    """
-
-
-@hookspec(warn_on_impl=_experimental("tokenmill_register_reasoning_parsers"))
-def tokenmill_register_reasoning_parsers() -> dict[str, str] | None:
-    """Map reasoning parser names to ``"module:Class"`` qualnames (reserved).
 
     Called: never by this version. Collect hook.
     """

@@ -7,7 +7,7 @@ A shipped plugin imports from exactly three modules of tokenmill (the test
   ``StructuredOutputsParams``, the errors), as listed in its ``__all__``;
 * ``tokenmill.plugin_api`` — this module: the hook marker, the spec records, the
   platform capabilities, the attention, checkpoint, sampling-kernel, structured
-  output, tool-parser and executor interfaces, as listed in ``__all__`` below;
+  output, tool-parser, reasoning-parser and executor interfaces, as listed in ``__all__`` below;
 * ``tokenmill.layers`` — the building blocks models, quantization methods and
   platforms meet at: anything its ``__all__`` lists is public.
 
@@ -51,6 +51,13 @@ if TYPE_CHECKING:
         ThreadAffine,
     )
     from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+    from tokenmill.reasoning import (
+        ReasoningDelta,
+        ReasoningParser,
+        ReasoningSplit,
+        ReasoningStreamer,
+        as_structural_format,
+    )
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
     from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
     from tokenmill.tool_parsers import (
@@ -82,6 +89,8 @@ _LAZY = {
     **dict.fromkeys(["GrammarMatcher", "StructuredOutputBackend"], "tokenmill.structured_output.backend"),
     **dict.fromkeys(["ExtractedToolCalls", "FunctionTool", "ToolCall", "ToolCallDelta", "ToolCallPiece",
                      "ToolCallStreamer", "ToolParser"], "tokenmill.tool_parsers"),
+    **dict.fromkeys(["ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
+                     "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
 }
 
@@ -148,6 +157,12 @@ __all__ = [
     "ToolCallPiece",
     "ToolCallStreamer",
     "ToolParser",
+    # reasoning parsers
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningSplit",
+    "ReasoningStreamer",
+    "as_structural_format",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

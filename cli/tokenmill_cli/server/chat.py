@@ -18,12 +18,14 @@ from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_bod
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs
 from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
+from tokenmill_cli.server.reasoning import ReplyReasoning
 from tokenmill_cli.server.response_format import naming_errors, request_constraint
 from tokenmill_cli.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     new_id,
@@ -69,7 +71,9 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
     tools = ChatTools.of_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                  state.settings.tool_call_parser, state.settings.enable_auto_tool_choice,
                                  state.tokenizer)
-    constraint = chat_constraint(tools, request_constraint(body.structured_outputs, body.response_format))
+    reasoning = ReplyReasoning.of_server(state.settings.reasoning_parser, state.tokenizer)
+    constraint = reasoning.constrain(chat_constraint(tools, request_constraint(body.structured_outputs,
+                                                                               body.response_format)))
     params = chat_sampling_params(body, constraint.params if constraint else None)
     prompt_ids = chat_prompt_ids(state, body.messages, body)
     if len(prompt_ids) >= state.engine.max_model_len:
@@ -80,7 +84,7 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
     generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
                                        priority=body.priority, timeout=body.timeout)
     merged = merge_streams([naming_errors(generation, constraint)])
-    view = _View(body, params, state.tokenizer, tools)
+    view = _View(body, params, state.tokenizer, tools, reasoning)
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         stream = _Stream(request_id, model, view)
@@ -90,7 +94,7 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
         raise error
     choices = [ChatChoice(index=s.index, message=message, logprobs=view.logprobs(s, 0, len(s.token_ids)),
                           finish_reason=finish_reason, stop_reason=s.stop_reason)
-               for s in final.outputs for message, finish_reason in [tools.reply(s.text, s.finish_reason)]]
+               for s in final.outputs for message, finish_reason in [view.reply(s.text, s.finish_reason)]]
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
     return JSONResponse(response.model_dump())
 
@@ -101,6 +105,24 @@ class _View:
     params: SamplingParams
     tokenizer: Any
     tools: ChatTools
+    reasoning: ReplyReasoning
+
+    def reply(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """A finished reply's message: its reasoning section split off, the rest read for tool calls."""
+        reasoning, content = self.reasoning.split(text)
+        if content is None:  # all reasoning (cut off while thinking): no content to read calls from
+            message = ChatResponseMessage()
+        else:
+            message, finish_reason = self.tools.reply(content, finish_reason)
+        return message.model_copy(update={"reasoning_content": reasoning, "reasoning": reasoning}), finish_reason
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        """The delta of choice ``index`` for its new text: new reasoning, and new content read for calls."""
+        reasoning, content = self.reasoning.delta(index, text, finish_reason is not None)
+        message, finish_reason = self.tools.delta(index, content, finish_reason)
+        if reasoning:
+            message = message.model_copy(update={"reasoning_content": reasoning, "reasoning": reasoning})
+        return message, finish_reason
 
     def logprobs(self, sample: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -154,10 +176,11 @@ class _Stream:
             delta = tracker.advance(sample)
             if delta is None:
                 continue
-            message, finish_reason = self.view.tools.delta(sample.index, delta.text, delta.finish_reason)
+            message, finish_reason = self.view.delta(sample.index, delta.text, delta.finish_reason)
             logprobs = self.view.logprobs(sample, delta.token_start, delta.token_end)
-            if message.content is None and message.tool_calls is None and finish_reason is None and logprobs is None:
-                continue  # text the tool-call parser holds back: it goes out with a later chunk
+            if (message.content is None and message.tool_calls is None and message.reasoning_content is None
+                    and finish_reason is None and logprobs is None):
+                continue  # text a parser holds back: it goes out with a later chunk
             chunks.append(self._chunk(ChatStreamChoice(
                 index=sample.index, delta=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=delta.stop_reason)))

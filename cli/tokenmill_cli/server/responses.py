@@ -96,9 +96,15 @@ class ChatToolCall(BaseModel):
     function: FunctionCall
 
 
+_REASONING = "the reasoning section of a reasoning model's reply (servers started with --reasoning-parser)"
+_REASONING_ALIAS = "the same text as reasoning_content: vLLM's newer name for it"
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, description=_REASONING)
+    reasoning: str | None = Field(default=None, description=_REASONING_ALIAS)
     tool_calls: list[ChatToolCall] | None = None
 
 
@@ -136,6 +142,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, description=_REASONING)
+    reasoning: str | None = Field(default=None, description=_REASONING_ALIAS)
     tool_calls: list[DeltaToolCall] | None = None
 
 

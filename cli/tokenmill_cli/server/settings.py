@@ -18,6 +18,8 @@ class ServerSettings(BaseModel):
     tool_call_parser: str | None = Field(None, description="the registered tool-call parser that reads replies "
                                                            "into tool_calls (tokenmill plugins lists them)")
     enable_auto_tool_choice: bool = Field(False, description='let tool_choice "auto" parse free replies for calls')
+    reasoning_parser: str | None = Field(None, description="the registered reasoning parser that splits a reply's "
+                                                           "reasoning section into reasoning_content")
     # operations: see docs/operations.md
     enable_metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
     log_stats: bool = Field(True, description="log a one-line engine summary every log_stats_interval seconds")
