@@ -350,6 +350,13 @@ def test_unknown_model_is_404(client):
     assert caught.value.body["code"] == "model_not_found"
 
 
+def test_the_schema_documents_the_routes(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert set(paths["/v1/responses"]) == {"post"}
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert "404" in paths["/v1/responses/{response_id}"]["get"]["responses"]
+
+
 @pytest.mark.parametrize("method,path", [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
                                          ("DELETE", "/v1/responses/resp_1")])
 def test_the_routes_need_the_key(server, method, path):

@@ -233,6 +233,7 @@ class _Stream:
         delta = tracker.advance(output.outputs[0])
         if delta is None:
             return []
+        # a reasoning parser's deltas would open a reasoning item here, before the message's
         message, _ = self.plan.tools.delta(0, delta.text, delta.finish_reason)
         written = events.text(message.content) if message.content else []
         for piece in message.tool_calls or []:
