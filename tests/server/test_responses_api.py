@@ -368,14 +368,40 @@ def test_the_routes_need_the_key(server, method, path):
     assert keyed.status_code == (200 if method == "POST" else 404)
 
 
-def test_clients_that_leave_abort_their_requests(start_server, tiny_args):
+BLOCKER = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+           "n": 16, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def single_seq(start_server, tiny_args):
+    """One sequence slot: a blocker on it makes a later request wait for its first token."""
+    return start_server(tiny_args("--max-num-seqs", "1"))
+
+
+def test_a_timeout_makes_an_incomplete_response(single_seq):
+    client = openai.OpenAI(base_url=f"{single_seq.url}/v1", api_key="none", max_retries=0, timeout=30)
+    args = {"input": "hi", "max_output_tokens": 50, "extra_body": {"timeout": 0.3}, **GREEDY}
+    with httpx.Client(base_url=single_seq.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=BLOCKER) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator closes the response
+            assert next(lines).startswith("data: {")
+            whole = client.responses.create(**args)
+            events = list(client.responses.create(stream=True, **args))
+    for response in (whole, events[-1].response):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "timeout"
+        assert response.output_text == "" and response.usage.output_tokens == 0
+        assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
+    assert _without_deltas(events) == ["response.created", "response.in_progress", *TEXT_EVENTS,
+                                       "response.incomplete"]
+
+
+def test_clients_that_leave_abort_their_requests(single_seq):
     """With one sequence slot held by a long request, a response cannot start before its client gives up."""
-    server = start_server(tiny_args("--max-num-seqs", "1"))
+    server = single_seq
+    server.wait_idle()
     before = server.stats()["client_disconnects"]
-    blocker = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 240, "temperature": 0,
-               "ignore_eos": True, "n": 16, "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=blocker) as held:
+        with http.stream("POST", "/v1/completions", json=BLOCKER) as held:
             lines = held.iter_lines()  # kept: a dropped iterator closes the response
             assert next(lines).startswith("data: {")
             for stream in (False, True):

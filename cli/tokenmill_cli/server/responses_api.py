@@ -122,7 +122,7 @@ async def _serve(body: ResponsesRequest, state: ServerState, request: Request) -
     rendering = ChatRendering(add_generation_prompt=True, continue_final_message=False, chat_template=None,
                               tools=tools_param)
     merged = generate_chat(state, chat_messages(body.instructions, conversation), rendering, params, constraint,
-                           plan.response.id, param="input")
+                           plan.response.id, body.priority, body.timeout, param="input")
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         stream = _Stream(plan, state, EventWriter())

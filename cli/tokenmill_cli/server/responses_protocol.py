@@ -181,8 +181,13 @@ class ResponsesRequest(_Request):
     conversation: Any = Field(None, description="not supported (use previous_response_id)")
     prompt: Any = Field(None, description="not supported (prompt templates)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported: only 0 or null")
+    # the extras chat completions has too
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint extra, as in chat completions (instead of text.format)")
+    priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                  description="seconds after which the response ends incomplete (reason "
+                                              "'timeout'), keeping what it generated (default: --request-timeout)")
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> ResponsesRequest:
