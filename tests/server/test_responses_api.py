@@ -306,6 +306,7 @@ BAD = {
     "unknown role": ({"input": [{"role": "critic", "content": "x"}]}, "input"),
     "item reference": ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     "image part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    "text part without text": ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
     "call output without its call": ({"input": [{"type": "function_call_output", "output": "1"}]}, "input"),
     "built-in tool": ({"tools": [{"type": "web_search"}]}, "tools"),
     "nameless function": ({"tools": [{"type": "function", "parameters": TIME}]}, "tools"),
@@ -321,6 +322,9 @@ BAD = {
     "temperature": ({"temperature": 3}, "temperature"),
     "max_output_tokens": ({"max_output_tokens": 0}, "max_output_tokens"),
     "background": ({"background": True}, "background"),
+    "conversation": ({"conversation": "conv_1"}, "conversation"),
+    "top_logprobs": ({"top_logprobs": 5}, "top_logprobs"),
+    "timeout": ({"timeout": 0}, "timeout"),
     "truncation": ({"truncation": "auto"}, "truncation"),
     "unknown previous": ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     "too long": ({"input": "word " * 400}, "input"),
@@ -351,8 +355,13 @@ def test_unknown_model_is_404(client):
 
 
 def test_the_schema_documents_the_routes(http):
-    paths = http.get("/openapi.json").json()["paths"]
+    schema = http.get("/openapi.json").json()
+    paths = schema["paths"]
     assert set(paths["/v1/responses"]) == {"post"}
+    # what is refused is not in the schema: function tools only, no item kinds but those served
+    request = schema["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert request["tools"]["anyOf"][0]["items"] == {"oneOf": [{"$ref": "#/components/schemas/FunctionTool"}]}
+    assert "OtherItem" not in json.dumps(request["input"]) and "background" in request
     assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
     assert "404" in paths["/v1/responses/{response_id}"]["get"]["responses"]
 

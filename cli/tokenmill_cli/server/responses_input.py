@@ -30,11 +30,10 @@ from tokenmill_cli.server.responses_protocol import (
     TextConfig,
     TextFormatJSONObject,
     TextFormatJSONSchema,
+    TextPart,
     Tool,
     ToolChoiceParam,
 )
-
-_TEXT_PARTS = frozenset({"input_text", "output_text"})
 
 
 def input_items(value: str | list[InputItem]) -> list[InputItem]:
@@ -77,7 +76,9 @@ def _text(content: Content) -> str:
         return content
     texts = []
     for part in content:
-        if part.type not in _TEXT_PARTS or part.text is None:
+        if not isinstance(part, TextPart):
+            if part.type in ("input_text", "output_text"):
+                raise InvalidRequestError(f"an {part.type} part needs its text (a string)", param="input")
             raise InvalidRequestError(f"content parts of type {part.type!r} are not supported by this text model: "
                                       "only input_text and output_text parts are", param="input")
         texts.append(part.text)

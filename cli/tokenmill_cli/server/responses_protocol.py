@@ -5,30 +5,39 @@ assistant; content as text or ``input_text`` / ``output_text`` parts), ``functio
 items (a call the model made, sent back) and ``function_call_output`` items (its result).
 Items and tools of a kind this server cannot serve (built-in tools such as web_search,
 images, item references) are parsed as :class:`OtherItem` / :class:`OtherTool` so the 400
-can say which kind is not supported instead of a list of union mismatches.
+can say which kind is not supported instead of a list of union mismatches; they are left out
+of the OpenAPI schema (``SkipJsonSchema``), which lists only what is served.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill_cli.server.protocol import _Request
 
 
-class ContentPart(BaseModel):
-    """A part of a message's content: ``input_text`` or ``output_text`` for a text model;
-    other kinds (``input_image``, ``input_file``, ...) are refused when the prompt is built."""
+class TextPart(BaseModel):
+    """A part of a message's content a text model reads."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class OtherPart(BaseModel):
+    """Another kind of part (``input_image``, ``input_file``, ...): refused when the prompt is built."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
-    text: str | None = None
 
 
-Content = str | list[ContentPart]
+Content = str | list[TextPart | SkipJsonSchema[OtherPart]]
 
 
 class MessageItem(BaseModel):
@@ -91,7 +100,7 @@ def _item_kind(value: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[OtherItem, Tag("other")],
+    | SkipJsonSchema[Annotated[OtherItem, Tag("other")]],
     Discriminator(_item_kind),
 ]
 
@@ -115,7 +124,7 @@ class OtherTool(BaseModel):
 
 
 Tool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+    Annotated[FunctionTool, Tag("function")] | SkipJsonSchema[Annotated[OtherTool, Tag("other")]],
     Discriminator(lambda v: "function" if (v.get("type") if isinstance(v, dict) else getattr(v, "type", None))
                   == "function" else "other"),
 ]
@@ -157,7 +166,8 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(_Request):
-    input: str | list[InputItem] = Field(min_length=1, description="text (one user message) or a list of items")
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)] = Field(
+        description="text (one user message) or a list of items")
     instructions: str | None = Field(None, description="a system message before the input; not carried over "
                                                        "by previous_response_id")
     max_output_tokens: int | None = Field(None, ge=1, description="most tokens to generate; null: up to the context")
@@ -177,10 +187,11 @@ class ResponsesRequest(_Request):
                                                                      "context is a 400")
     reasoning: dict[str, Any] | None = Field(None, description="accepted; the model's own reasoning is not configurable")
     include: list[str] | None = Field(None, description="accepted; nothing extra is included")
-    background: bool = Field(False, description="not supported: only false")
-    conversation: Any = Field(None, description="not supported (use previous_response_id)")
-    prompt: Any = Field(None, description="not supported (prompt templates)")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported: only 0 or null")
+    # not supported, and typed so that the schema says so: only the values that ask for nothing pass
+    background: Literal[False] = Field(False, description="not supported: only false")
+    conversation: None = Field(None, description="not supported (use previous_response_id)")
+    prompt: None = Field(None, description="not supported (prompt templates)")
+    top_logprobs: Literal[0] | None = Field(None, description="not supported: only 0 or null")
     # the extras chat completions has too
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint extra, as in chat completions (instead of text.format)")
@@ -189,16 +200,10 @@ class ResponsesRequest(_Request):
                                   description="seconds after which the response ends incomplete (reason "
                                               "'timeout'), keeping what it generated (default: --request-timeout)")
 
-    @model_validator(mode="after")
-    def _check_unsupported(self) -> ResponsesRequest:
-        # refused rather than ignored: the answer would silently not be what was asked
-        if self.background:
-            raise InvalidRequestError("background responses are not supported", param="background")
-        if self.conversation is not None:
-            raise InvalidRequestError("conversations are not supported; use previous_response_id",
-                                      param="conversation")
-        if self.prompt is not None:
-            raise InvalidRequestError("prompt templates are not supported", param="prompt")
-        if self.top_logprobs:
-            raise InvalidRequestError("top_logprobs is not supported by /v1/responses", param="top_logprobs")
-        return self
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        """One readable 400 rather than a mismatch per member of the union (the schema says it too)."""
+        if value == "" or value == []:
+            raise InvalidRequestError("input must not be empty", param="input")
+        return value
