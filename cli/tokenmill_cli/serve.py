@@ -18,6 +18,7 @@ from tokenmill_cli.server_options import (
     LogStatsInterval,
     MaxQueuedRequests,
     MaxQueuedTokens,
+    MaxStoredResponses,
     ShutdownTimeout,
 )
 
@@ -56,6 +57,7 @@ def serve(
     disable_log_stats: DisableLogStats = False,
     log_stats_interval: LogStatsInterval = 5.0,
     disable_metrics: DisableMetrics = False,
+    max_stored_responses: MaxStoredResponses = 1000,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
     from tokenmill_cli.server.settings import load_chat_template
@@ -72,7 +74,7 @@ def serve(
         raise typer.Exit(2) from exc
     operations: dict[str, Any] = {"shutdown_timeout": shutdown_timeout, "health_stall_timeout": health_stall_timeout,
                                   "log_stats": not disable_log_stats, "log_stats_interval": log_stats_interval,
-                                  "enable_metrics": not disable_metrics}
+                                  "enable_metrics": not disable_metrics, "max_stored_responses": max_stored_responses}
     # tool calling rides along with the other settings
     operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                       reasoning_parser=reasoning_parser)

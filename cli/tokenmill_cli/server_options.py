@@ -27,3 +27,6 @@ LogStatsInterval = Annotated[float, typer.Option(
     min=0.001, help="Seconds between two summary lines", rich_help_panel=_OPS)]
 DisableMetrics = Annotated[bool, typer.Option(
     "--disable-metrics", help="No Prometheus metrics (and no /metrics route)", rich_help_panel=_OPS)]
+MaxStoredResponses = Annotated[int, typer.Option(
+    min=0, help="Most finished /v1/responses kept in memory for GET /v1/responses/ID and previous_response_id "
+                "(least recently used out); 0: none", rich_help_panel=_OPS)]

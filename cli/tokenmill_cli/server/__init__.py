@@ -3,7 +3,9 @@
 One module per concept: ``protocol`` (request schemas), ``responses``
 (response schemas), ``errors``, ``auth``, ``sampling`` (request ->
 SamplingParams), ``streaming`` (SSE, deltas, disconnects), one module per
-endpoint family, and ``app`` which puts them together.
+endpoint family, and ``app`` which puts them together. OpenAI's Responses API
+(``/v1/responses``) is ``responses_api`` with its own ``responses_protocol``,
+``responses_objects``, ``responses_input``, ``responses_events`` and ``response_store``.
 """
 
 from tokenmill_cli.server.app import build_app

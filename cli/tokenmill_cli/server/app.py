@@ -9,18 +9,20 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 import tokenmill
-from tokenmill_cli.server import chat, completions, embeddings, health, metrics, models, tokenization
+from tokenmill_cli.server import chat, completions, embeddings, health, metrics, models, responses_api, tokenization
 from tokenmill_cli.server.auth import APIKeyMiddleware
 from tokenmill_cli.server.errors import install_error_handlers
 from tokenmill_cli.server.lifecycle import Lifecycle
 from tokenmill_cli.server.metrics import ServerMetrics
+from tokenmill_cli.server.response_store import ResponseStore
 from tokenmill_cli.server.settings import ServerSettings
 from tokenmill_cli.server.state import ServerState
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.async_llm import AsyncLLM
 
-ROUTERS = (models.router, completions.router, chat.router, embeddings.router, tokenization.router, health.router)
+ROUTERS = (models.router, completions.router, chat.router, responses_api.router, embeddings.router, tokenization.router,
+           health.router)
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool = True) -> FastAPI:
@@ -40,7 +42,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool 
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
                   description="An OpenAI-compatible API over a tokenmill engine.")
-    app.state.server = ServerState(engine, settings, Lifecycle(), server_metrics)
+    app.state.server = ServerState(engine, settings, Lifecycle(), server_metrics,
+                                   response_store=ResponseStore(settings.max_stored_responses))
     for router in ROUTERS:
         app.include_router(router)
     if settings.enable_metrics:

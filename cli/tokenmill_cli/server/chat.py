@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs
 from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
 from tokenmill_cli.server.reasoning import ReplyReasoning
-from tokenmill_cli.server.response_format import naming_errors, request_constraint
+from tokenmill_cli.server.response_format import Constraint, naming_errors, request_constraint
 from tokenmill_cli.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -66,6 +66,25 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
     return list(state.tokenizer.encode(text, add_special_tokens=False))
 
 
+def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
+                  params: SamplingParams, constraint: Constraint | None, request_id: str, priority: int = 0,
+                  timeout: float | None = None, param: str = "messages",
+                  ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """The engine's outputs for ``messages`` through the chat template, as one merged stream.
+
+    Chat completions and the Responses API (``responses_api``) both generate through here;
+    ``param`` is the request field a prompt too long for the context is blamed on.
+    """
+    prompt_ids = chat_prompt_ids(state, messages, rendering)
+    if len(prompt_ids) >= state.engine.max_model_len:
+        raise InvalidRequestError(
+            f"the {param} take {len(prompt_ids)} tokens, which leaves no room to generate within the model's "
+            f"context of {state.engine.max_model_len} tokens (max_model_len)", param=param)
+    generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
+                                       priority=priority, timeout=timeout)
+    return merge_streams([naming_errors(generation, constraint)])
+
+
 async def _serve(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     model = state.model_name(body.model)
     tools = ChatTools.of_request(body.tools, body.tool_choice, body.parallel_tool_calls,
@@ -75,15 +94,8 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
     constraint = reasoning.constrain(chat_constraint(tools, request_constraint(body.structured_outputs,
                                                                                body.response_format)))
     params = chat_sampling_params(body, constraint.params if constraint else None)
-    prompt_ids = chat_prompt_ids(state, body.messages, body)
-    if len(prompt_ids) >= state.engine.max_model_len:
-        raise InvalidRequestError(
-            f"the messages take {len(prompt_ids)} tokens, which leaves no room to generate within the model's "
-            f"context of {state.engine.max_model_len} tokens (max_model_len)", param="messages")
     request_id = new_id("chatcmpl")
-    generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
-                                       priority=body.priority, timeout=body.timeout)
-    merged = merge_streams([naming_errors(generation, constraint)])
+    merged = generate_chat(state, body.messages, body, params, constraint, request_id, body.priority, body.timeout)
     view = _View(body, params, state.tokenizer, tools, reasoning)
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200

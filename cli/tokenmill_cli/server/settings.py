@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill_cli.server.response_store import DEFAULT_MAX_STORED_RESPONSES
+
 
 class ServerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, protected_namespaces=())
@@ -29,6 +31,9 @@ class ServerSettings(BaseModel):
     shutdown_timeout: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish "
                                                             "before they are aborted")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 (admission control)")
+    max_stored_responses: int = Field(DEFAULT_MAX_STORED_RESPONSES, ge=0,
+                                      description="finished /v1/responses kept in memory for GET and "
+                                                  "previous_response_id, least recently used out; 0: none")
 
     @property
     def default_model_name(self) -> str:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
 from tokenmill_cli.server.errors import model_not_found
+from tokenmill_cli.server.response_store import ResponseStore
 from tokenmill_cli.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ class ServerState:
     lifecycle: Lifecycle
     metrics: ServerMetrics
     client_disconnects: int = 0  # requests whose client left before the answer was complete
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
 
     @property
     def tokenizer(self) -> Any:
