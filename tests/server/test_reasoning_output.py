@@ -148,3 +148,44 @@ def test_an_unknown_parser_fails_at_start_up_listing_the_registered_ones(model_p
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "unknown reasoning parser 'nope'; registered: deepseek_r1, qwen3" in result.stderr
+
+
+# -- the Responses API: a reasoning item before the message ------------------------------------
+
+def response_items(client, stream: bool, **kwargs) -> tuple[list[dict], list[str]]:
+    """The response's output items (as the SDK parsed them) and, for a stream, its event types."""
+    args = {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": 40, "temperature": 0, **kwargs}
+    if not stream:
+        return [item.model_dump() for item in client.responses.create(**args).output], []
+    events = list(client.responses.create(stream=True, **args))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == done.text  # the deltas add up to the item's text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    return [item.model_dump() for item in events[-1].response.output], [e.type for e in events]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_responses_api_gives_the_reasoning_its_own_item(r1_client, stream):
+    items, events = response_items(r1_client, stream)
+    assert [item["type"] for item in items] == ["reasoning", "message"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": REASONING}]
+    assert items[1]["content"][0]["text"] == CONTENT
+    if stream:  # the reasoning item is written, and closed, before the message opens
+        assert events.index("response.reasoning_text.done") < events.index("response.output_text.delta")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_responses_api_constrains_the_answer_after_the_reasoning(r1_client, stream):
+    text_format = {"format": {"type": "json_schema", "name": "city", "schema": CITY}}
+    items, _ = response_items(r1_client, stream, text=text_format)
+    assert items[0]["content"][0]["text"] == REASONING
+    jsonschema.validate(json.loads(items[1]["content"][0]["text"]), CITY)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_response_cut_off_while_thinking_has_its_reasoning_and_an_empty_message(r1_client, stream):
+    items, _ = response_items(r1_client, stream, max_output_tokens=3)
+    assert [item["type"] for item in items] == ["reasoning", "message"]
+    assert REASONING.startswith(items[0]["content"][0]["text"])
+    assert items[1]["content"][0]["text"] == "" and items[1]["status"] == "incomplete"

@@ -3,7 +3,9 @@
 A request is the chat request it stands for (``responses_input``): its messages render
 through the chat template and generate through ``chat.generate_chat``, its tool calls are
 read by the server's tool-call parser (``ChatTools``) and ``text.format`` constrains it as
-``response_format`` does. The reply becomes output items: an assistant message with one
+``response_format`` does (after the reasoning section, where the server has a reasoning
+parser). The reply becomes output items: a ``reasoning`` item where the server's reasoning
+parser (``--reasoning-parser``) finds a reasoning section, an assistant message with one
 ``output_text`` part, then a ``function_call`` item per call. Finished responses are kept
 in the bounded in-memory store (``response_store``) unless ``store`` is false.
 """
@@ -24,6 +26,7 @@ from tokenmill_cli.server.chat import generate_chat
 from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.protocol import ChatRendering
+from tokenmill_cli.server.reasoning import ReplyReasoning
 from tokenmill_cli.server.response_format import Constraint
 from tokenmill_cli.server.response_store import StoredResponse
 from tokenmill_cli.server.responses import ChatResponseMessage, ErrorResponse, now
@@ -42,7 +45,9 @@ from tokenmill_cli.server.responses_objects import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponseErrorInfo,
     ResponseObject,
     new_item_id,
@@ -105,6 +110,7 @@ class _Plan:
     response: ResponseObject  # the response's fields as the request set them, before any output
     conversation: tuple[InputItem, ...]  # the previous response's conversation, then this input
     tools: ChatTools
+    reasoning: ReplyReasoning
     store: bool
 
 
@@ -115,10 +121,11 @@ async def _serve(body: ResponsesRequest, state: ServerState, request: Request) -
     tools = ChatTools.of_request(tools_param, chat_tool_choice(body.tool_choice), body.parallel_tool_calls,
                                  state.settings.tool_call_parser, state.settings.enable_auto_tool_choice,
                                  state.tokenizer)
-    constraint = chat_constraint(tools, text_constraint(body.text, body.structured_outputs))
+    reasoning = ReplyReasoning.of_server(state.settings.reasoning_parser, state.tokenizer)
+    constraint = reasoning.constrain(chat_constraint(tools, text_constraint(body.text, body.structured_outputs)))
     params = _sampling_params(body, constraint)
     store = body.store and state.response_store.capacity > 0
-    plan = _Plan(_skeleton(body, model, tools, store), conversation, tools, store)
+    plan = _Plan(_skeleton(body, model, tools, store), conversation, tools, reasoning, store)
     rendering = ChatRendering(add_generation_prompt=True, continue_final_message=False, chat_template=None,
                               tools=tools_param)
     merged = generate_chat(state, chat_messages(body.instructions, conversation), rendering, params, constraint,
@@ -131,8 +138,13 @@ async def _serve(body: ResponsesRequest, state: ServerState, request: Request) -
     if (error := output_error(final)) is not None:
         raise error
     sample = final.outputs[0]
-    message, finish_reason = tools.reply(sample.text, sample.finish_reason)
-    response = _finished(plan, _output_items(message), final, finish_reason)
+    thought, content = reasoning.split(sample.text)
+    finish_reason = sample.finish_reason
+    if content is None:  # all reasoning (cut off while thinking): no content to read calls from
+        message = ChatResponseMessage()
+    else:
+        message, finish_reason = tools.reply(content, finish_reason)
+    response = _finished(plan, _output_items(message, thought), final, finish_reason)
     _keep(state, plan, response)
     return JSONResponse(response.model_dump())
 
@@ -158,10 +170,12 @@ def _skeleton(body: ResponsesRequest, model: str, tools: ChatTools, store: bool)
         metadata=body.metadata or {})
 
 
-def _output_items(message: ChatResponseMessage) -> list[OutputItem]:
-    """A whole reply's items: its text as a message (kept even when empty, unless the reply is
-    only calls), then its calls. A reasoning item, when a reasoning parser gives one, goes first."""
+def _output_items(message: ChatResponseMessage, reasoning: str | None) -> list[OutputItem]:
+    """A whole reply's items: its reasoning section (where the reasoning parser found one), its
+    text as a message (kept even when empty, unless the reply is only calls), then its calls."""
     items: list[OutputItem] = []
+    if reasoning is not None:
+        items.append(OutputReasoning(id=new_item_id("rs"), status="completed", content=[ReasoningText(text=reasoning)]))
     if message.content or not message.tool_calls:
         items.append(OutputMessage(id=new_item_id("msg"), status="completed",
                                    content=[OutputText(text=message.content or "")]))
@@ -233,9 +247,10 @@ class _Stream:
         delta = tracker.advance(output.outputs[0])
         if delta is None:
             return []
-        # a reasoning parser's deltas would open a reasoning item here, before the message's
-        message, _ = self.plan.tools.delta(0, delta.text, delta.finish_reason)
-        written = events.text(message.content) if message.content else []
+        thought, content = self.plan.reasoning.delta(0, delta.text, delta.finish_reason is not None)
+        written = events.reasoning(thought) if thought else []
+        message, _ = self.plan.tools.delta(0, content, delta.finish_reason)
+        written += events.text(message.content) if message.content else []
         for piece in message.tool_calls or []:
             written += events.call(piece)
         return written

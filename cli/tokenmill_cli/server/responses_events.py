@@ -4,8 +4,8 @@ Each event is an SSE ``event: <type>`` line plus its JSON, numbered by ``sequenc
 An output item opens with ``response.output_item.added`` and closes with
 ``response.output_item.done``; in between, a message has one ``output_text`` part
 (``response.content_part.added``, ``response.output_text.delta``..., ``.done``,
-``response.content_part.done``) and a function call its arguments
-(``response.function_call_arguments.delta``..., ``.done``). Items follow each other:
+``response.content_part.done``), a reasoning item its text (``response.reasoning_text.delta``...,
+``.done``) and a function call its arguments (``response.function_call_arguments.delta``..., ``.done``). Items follow each other:
 a new one closes the one before. There is no ``[DONE]``: the stream ends with
 ``response.completed``, ``response.incomplete`` or ``response.failed``.
 """
@@ -24,7 +24,9 @@ from tokenmill_cli.server.responses_objects import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     new_item_id,
 )
 
@@ -46,8 +48,8 @@ class EventWriter:
 class OutputEvents:
     """The output items of one streamed reply, and the events that build them up.
 
-    ``text`` and ``call`` take what chat's streaming reads from the reply (content text,
-    tool-call pieces from the tool-call parser); ``close`` ends the last item.
+    ``reasoning``, ``text`` and ``call`` take what chat's streaming reads from the reply (reasoning
+    and content text, tool-call pieces from the tool-call parser); ``close`` ends the last item.
     """
 
     writer: EventWriter
@@ -69,6 +71,18 @@ class OutputEvents:
                                             output_index=self._index(), content_index=0, delta=delta, logprobs=[]))
         return events
 
+    def reasoning(self, delta: str) -> list[str]:
+        events = []
+        if not isinstance(self._open, OutputReasoning):
+            events += self._open_item(OutputReasoning(id=new_item_id("rs"), status="in_progress",
+                                                      content=[ReasoningText(text="")]))
+        item = self._open
+        assert isinstance(item, OutputReasoning)
+        item.content[0].text += delta
+        events.append(self.writer.event("response.reasoning_text.delta", item_id=item.id,
+                                        output_index=self._index(), content_index=0, delta=delta))
+        return events
+
     def call(self, piece: DeltaToolCall) -> list[str]:
         events = []
         if piece.id is not None:  # the first piece of a call: its id and name
@@ -84,9 +98,11 @@ class OutputEvents:
         return events
 
     def close(self, status: ItemStatus) -> list[str]:
-        """End the stream's output: the last item closes with ``status``; a reply with no item at
-        all still has its (empty) message, as the whole response would."""
-        events = [] if self.items else self.text("")
+        """End the stream's output: the last item closes with ``status``; a reply with neither a
+        message nor a call (nothing, or reasoning only) still has its (empty) message, as the whole
+        response would."""
+        answered = any(isinstance(item, OutputMessage | OutputFunctionCall) for item in self.items)
+        events = [] if answered else self.text("")
         return events + self._close_open(status)
 
     def _open_item(self, item: OutputItem) -> list[str]:
@@ -107,6 +123,9 @@ class OutputEvents:
             events.append(self.writer.event("response.output_text.done", item_id=item.id, output_index=index,
                                             content_index=0, text=part.text, logprobs=[]))
             events.append(self._content_part("response.content_part.done", item, part, index))
+        elif isinstance(item, OutputReasoning):
+            events.append(self.writer.event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                            content_index=0, text=item.content[0].text))
         else:
             events.append(self.writer.event("response.function_call_arguments.done", item_id=item.id,
                                             output_index=index, name=item.name, arguments=item.arguments))

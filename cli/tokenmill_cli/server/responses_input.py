@@ -92,10 +92,10 @@ def as_input_items(output: Sequence[OutputItem]) -> list[InputItem]:
         if isinstance(item, OutputMessage):
             items.append(MessageItem(role="assistant", content="".join(part.text for part in item.content),
                                      id=item.id))
-        else:
-            assert isinstance(item, OutputFunctionCall)
+        elif isinstance(item, OutputFunctionCall):
             items.append(FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name,
                                           arguments=item.arguments, id=item.id))
+        # a reasoning item is left out: chat templates drop the reasoning of earlier turns
     return items
 
 

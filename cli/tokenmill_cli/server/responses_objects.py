@@ -1,5 +1,6 @@
 """The Responses API's response body: a ``response`` object whose ``output`` is a list of items
-(an assistant ``message`` with ``output_text`` parts, ``function_call`` items), shaped as OpenAI's.
+(a ``reasoning`` item where a reasoning parser split one off, an assistant ``message`` with
+``output_text`` parts, ``function_call`` items), shaped as OpenAI's.
 
 (``responses.py`` holds the bodies of the other routes; this is the Responses API's.)
 """
@@ -47,8 +48,23 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-# Reasoning items (``{"type": "reasoning", ...}``) join this union when a reasoning parser is wired.
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The reply's reasoning section, split off by the server's reasoning parser (``--reasoning-parser``):
+    its text in one ``reasoning_text`` part; no summary (the model writes none)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
