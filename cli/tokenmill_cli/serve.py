@@ -12,8 +12,10 @@ import typer
 
 from tokenmill.config import EngineConfig
 from tokenmill_cli.server_options import (
+    ApiDocsNeedKey,
     DisableLogStats,
     DisableMetrics,
+    EnableTokenizerInfoEndpoint,
     HealthStallTimeout,
     LogStatsInterval,
     MaxQueuedRequests,
@@ -53,6 +55,8 @@ def serve(
     disable_log_stats: DisableLogStats = False,
     log_stats_interval: LogStatsInterval = 5.0,
     disable_metrics: DisableMetrics = False,
+    api_docs_need_key: ApiDocsNeedKey = False,
+    enable_tokenizer_info_endpoint: EnableTokenizerInfoEndpoint = False,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
     from tokenmill_cli.server.settings import load_chat_template
@@ -71,6 +75,7 @@ def serve(
                                   "enable_metrics": not disable_metrics}
     # tool calling rides along with the other settings
     operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+    operations.update(api_docs_need_key=api_docs_need_key, enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     _run(llm, engine.model, host, port, api_key, served_model_name, template, log_level, operations)
 
 

@@ -1,5 +1,5 @@
 """The operations options of ``tokenmill serve`` (admission bounds, shutdown, health, logging and
-metrics), as ``Annotated`` aliases; the engine's own (``--request-timeout``) are generated from
+metrics) and a few server ones (API docs, tokenizer info), as ``Annotated`` aliases; the engine's own (``--request-timeout``) are generated from
 ``EngineConfig`` by ``engine_options``."""
 
 from __future__ import annotations
@@ -27,3 +27,13 @@ LogStatsInterval = Annotated[float, typer.Option(
     min=0.001, help="Seconds between two summary lines", rich_help_panel=_OPS)]
 DisableMetrics = Annotated[bool, typer.Option(
     "--disable-metrics", help="No Prometheus metrics (and no /metrics route)", rich_help_panel=_OPS)]
+
+_SERVER = "Server"
+
+ApiDocsNeedKey = Annotated[bool, typer.Option(
+    "--api-docs-need-key", help="With --api-key, guard /openapi.json, /docs and /redoc too [default: open, as vLLM's]",
+    rich_help_panel=_SERVER)]
+EnableTokenizerInfoEndpoint = Annotated[bool, typer.Option(
+    "--enable-tokenizer-info-endpoint", help="Serve GET /tokenizer_info (the tokenizer's config, special tokens "
+                                             "and chat template, as vLLM's), e.g. for lm-eval's remote tokenizer",
+    rich_help_panel=_SERVER)]

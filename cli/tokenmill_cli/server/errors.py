@@ -90,8 +90,11 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _http_exception(_: Request, exc: Exception) -> JSONResponse:
+    """Routing's answers (404, 405), keeping their headers: a 405 must say what is ``Allow``-ed."""
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, str(exc.detail) or HTTPStatus(exc.status_code).phrase)
+    response = error_response(exc.status_code, str(exc.detail) or HTTPStatus(exc.status_code).phrase)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _engine_dead(_: Request, exc: Exception) -> JSONResponse:

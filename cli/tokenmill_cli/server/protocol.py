@@ -10,14 +10,20 @@ reports them on the whole body.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill_cli.server.openapi import TOKEN_ID_KEYS_MARKER, TOKEN_ID_MARKER
 
-# A completion prompt: text, a batch of texts, token ids, or a batch of token id lists.
-Prompt = str | list[str] | list[int] | list[list[int]]
+# A token id: the schema's maximum (the vocabulary's last id) is written in when the app is built
+# (``openapi``); the route checks it, as only the engine knows the vocabulary.
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARKER: True})]
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# A completion prompt: text, a batch of texts, token ids, or a batch of token id lists; none empty.
+Prompt = _Text | Annotated[list[_Text], Field(min_length=1)] | _TokenIds | Annotated[list[_TokenIds], Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -55,6 +61,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="send a last chunk with token counts")
 
 
+# stream_options only with stream: true (the validator of SamplingFields)
+_STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
 class SamplingFields(_Request):
     """The sampling and stopping fields completions and chat share."""
 
@@ -66,7 +78,9 @@ class SamplingFields(_Request):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="the same seed gives the same text")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]",
+        json_schema_extra={TOKEN_ID_KEYS_MARKER: True})
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -74,11 +88,11 @@ class SamplingFields(_Request):
     top_k: int = Field(0, ge=-1, description="0 or -1 disables")
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, description="at most max_tokens (a 400 otherwise)")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint extra: one of json (a schema), json_object, regex, choice, grammar "
@@ -100,15 +114,29 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description="text, texts, token ids or lists of token ids")
-    max_tokens: int | None = Field(16, ge=1, description="most tokens to generate; null: up to the context")
+    max_tokens: int | None = Field(16, ge=0, description="most tokens to generate; null: up to the context; "
+                                                         "0 (with echo): score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=20, description="logprobs of the chosen and this many likeliest tokens")
     echo: bool = Field(False, description="return the prompt before the completion")
-    suffix: str | None = Field(None, description="not supported (insertion); only null or empty is accepted")
+    suffix: str | None = Field(None, description="not supported (insertion); only null or empty is accepted",
+                               json_schema_extra={"maxLength": 0})
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's extra: each prompt token's logprob "
+                                                                       "and this many likeliest, in the choice's "
+                                                                       "prompt_logprobs")
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        # max_tokens 0 returns nothing but the prompt: it needs echo (what the validator below says)
+        {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+         "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}},
+        _STREAM_OPTIONS_NEED_STREAM]})
 
     @model_validator(mode="after")
     def _check_suffix(self) -> CompletionRequest:
         if self.suffix:  # refused rather than ignored: the answer would silently not be what was asked
             raise InvalidRequestError("suffix (text insertion) is not supported", param="suffix")
+        if self.max_tokens == 0 and not self.echo:  # vLLM refuses it too: the answer would be empty
+            raise InvalidRequestError("max_tokens 0 generates nothing: it is only allowed with echo (to score the "
+                                      "prompt, with logprobs)", param="max_tokens")
         return self
 
 
@@ -172,6 +200,9 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's extra: each prompt token's logprob "
+                                                                       "and this many likeliest, in the response's "
+                                                                       "prompt_logprobs")
     tool_choice: Any = Field(None, description='"none", "auto" (the default with tools), "required" or '
                                                 '{"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool = Field(True, description="with a forced tool choice, allow more than one call")
