@@ -14,7 +14,7 @@ from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs, prompt_logprobs
 from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
@@ -46,7 +46,7 @@ from tokenmill_cli.server.tool_calls import ChatTools, chat_constraint
 router = APIRouter(tags=["chat"])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES,
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMING_RESPONSES,
              dependencies=[Depends(check_admitting)])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))

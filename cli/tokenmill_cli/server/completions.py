@@ -18,7 +18,7 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.logprobs import (
     completion_logprobs,
@@ -50,7 +50,7 @@ from tokenmill_cli.server.streaming import (
 router = APIRouter(tags=["completions"])
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES,
+@router.post("/v1/completions", response_model=CompletionResponse, responses=STREAMING_RESPONSES,
              dependencies=[Depends(check_admitting)])
 async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))

@@ -188,3 +188,11 @@ def output_error(output: RequestOutput) -> APIError | None:
     if "abort" in reasons:
         return APIError(503, output.error or "the request was aborted", code="request_aborted")
     return None
+
+
+# For the OpenAPI schema: what a route that can stream answers with (``"stream": true``).
+STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"description": "the response; with stream: server-sent events, each `data:` a chunk, then `data: [DONE]`",
+          "content": {"text/event-stream": {}}},  # events: the response's chunks, an error body, then [DONE]
+}

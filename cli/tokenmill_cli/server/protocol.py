@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill_cli.server.openapi import TOKEN_ID_KEYS_MARKER, TOKEN_ID_MARKER
@@ -70,12 +70,18 @@ _STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
 class SamplingFields(_Request):
     """The sampling and stopping fields completions and chat share."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128, description="samples per prompt")
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
-    # int64, as OpenAI documents it (and as torch's generators take it)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="the same seed gives the same text")
+    # int64, as OpenAI documents it (and as torch's generators take it); the schema advertises the
+    # range a JSON number holds exactly, which every client can send (a subset: it stays true)
+    seed: Annotated[int | None, WithJsonSchema({"anyOf": [{"type": "integer", "minimum": -(2**53), "maximum": 2**53},
+                                                          {"type": "null"}],
+                                                "description": "the same seed gives the same text (any int64)"})] = \
+        Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
@@ -118,8 +124,9 @@ class CompletionRequest(SamplingFields):
                                                          "0 (with echo): score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=20, description="logprobs of the chosen and this many likeliest tokens")
     echo: bool = Field(False, description="return the prompt before the completion")
-    suffix: str | None = Field(None, description="not supported (insertion); only null or empty is accepted",
-                               json_schema_extra={"maxLength": 0})
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}],
+                                                  "description": "not supported (insertion): only null or empty"})] \
+        = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's extra: each prompt token's logprob "
                                                                        "and this many likeliest, in the choice's "
                                                                        "prompt_logprobs")
@@ -141,35 +148,64 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are understood by text models."""
+    """One part of a message's content; text models understand text parts only (others are a 400)."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
-class ChatMessage(BaseModel):
+Content = str | list[ContentPart]
+
+
+class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _check_tool_message(self) -> ChatMessage:
-        if self.role == "tool" and not self.tool_call_id:
-            raise InvalidRequestError("a tool message needs the tool_call_id it answers", param="messages")
-        return self
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
-        if self.tool_calls:
-            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+        tool_calls = getattr(self, "tool_calls", None)
+        if tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
             message.setdefault("content", "")  # a template may concatenate it: None would not render
         return message
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1, description="the id of the call this message answers")
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return role if isinstance(role, str) else None
+
+
+# discriminated by role: the schema says what each role needs (a tool message: tool_call_id and content)
+ChatMessage = Annotated[
+    Annotated[SystemMessage, Tag("system")] | Annotated[UserMessage, Tag("user")]
+    | Annotated[AssistantMessage, Tag("assistant")] | Annotated[ToolMessage, Tag("tool")],
+    Discriminator(_role, custom_error_type="invalid_role",
+                  custom_error_message="role must be one of system, user, assistant, tool")]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +224,12 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 class ChatRendering(BaseModel):
     """How messages become a prompt; shared by chat and /tokenize."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        # continuing the last message opens no new turn (what render_chat checks)
+        {"if": {"required": ["continue_final_message", "add_generation_prompt"],
+                "properties": {"continue_final_message": {"const": True}}},
+         "then": {"properties": {"add_generation_prompt": {"const": False}}}}]})
+
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
     continue_final_message: bool = Field(False, description="let the model continue the last (assistant) message")
     chat_template: str | None = Field(None, description="a Jinja template for this request only")
@@ -195,6 +237,12 @@ class ChatRendering(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields, ChatRendering):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, *ChatRendering.model_config["json_schema_extra"]["allOf"],  # type: ignore
+        # top_logprobs only with logprobs: true (the validator below)
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -219,22 +267,24 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
 class EmbeddingRequest(_Request):
     input: Prompt = Field(description="text, texts, token ids or lists of token ids")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="not supported: embeddings have the model's width")
+    dimensions: Annotated[int | None, WithJsonSchema({"type": "null", "description": "not supported: embeddings "
+                                                                               "have the model's width"})] = None
     user: str | None = None
     pooling: Literal["last", "mean"] = Field("last", description="last token's hidden state, or the mean of all")
 
 
-class TokenizeRequest(_Request, ChatRendering):
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = Field(True, description="for `prompt`: add the tokenizer's BOS/EOS")
+class TokenizeCompletionRequest(_Request):
+    prompt: str = Field(description="the text to tokenize")
+    add_special_tokens: bool = Field(True, description="add the tokenizer's BOS/EOS")
 
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
-        return self
+
+class TokenizeChatRequest(_Request, ChatRendering):
+    messages: list[ChatMessage] = Field(min_length=1, description="rendered as chat would render them")
+
+
+# one of the two, as vLLM's; a body with neither is a 400
+TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[int]
+    tokens: list[TokenId]

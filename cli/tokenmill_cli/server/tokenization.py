@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from tokenmill.errors import InvalidRequestError
 from tokenmill_cli.server.chat import chat_prompt_ids
 from tokenmill_cli.server.errors import ERROR_RESPONSES
-from tokenmill_cli.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill_cli.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from tokenmill_cli.server.responses import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse
 from tokenmill_cli.server.state import State
 
@@ -22,10 +22,9 @@ info_router = APIRouter(tags=["tokenizer"])
 async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
     """A prompt's token ids, or the ids of messages rendered as chat would render them."""
     state.model_name(body.model)
-    if body.messages is not None:
+    if isinstance(body, TokenizeChatRequest):
         tokens = chat_prompt_ids(state, body.messages, body)
     else:
-        assert body.prompt is not None
         tokens = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
 
