@@ -105,6 +105,8 @@ CHAT_ERRORS = [
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(messages=[{"role": "tool", "content": "42"}]), "messages"),  # no tool_call_id
+    (dict(messages=[{"role": "tool", "tool_call_id": "call_1"}]), "messages"),  # no content
     (dict(extra_body={"continue_final_message": True, "add_generation_prompt": True}), "continue_final_message"),
     (dict(response_format={"type": "xml"}), "response_format.type"),
 ]

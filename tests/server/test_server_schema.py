@@ -92,3 +92,32 @@ def test_schema_short(case):
           suppress_health_check=list(HealthCheck))
 def test_schema_long(case):
     _run(case)
+
+
+# -- what the schema says, read directly --------------------------------------------------------
+def test_schema_carries_the_real_constraints(http, llama_path):
+    from transformers import AutoTokenizer
+
+    schema = http.get("/openapi.json").json()
+    parts = schema["components"]["schemas"]
+    assert set(parts["ToolMessage"]["required"]) == {"role", "content", "tool_call_id"}
+    assert parts["CompletionRequest"]["properties"]["prompt"]["anyOf"][0] == {"type": "string", "minLength": 1}
+    last_id = len(AutoTokenizer.from_pretrained(llama_path)) - 1
+    assert parts["DetokenizeRequest"]["properties"]["tokens"]["items"] == {"type": "integer", "minimum": 0,
+                                                                          "maximum": last_id}
+    for path in ("/health", "/ready"):
+        assert {"200", "503"} <= set(schema["paths"][path]["get"]["responses"])
+    assert not any("422" in op["responses"] for ops in schema["paths"].values() for op in ops.values())
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, None), ("/v1/embeddings", {"input": ""}, "input"), ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/detokenize", {"tokens": [10**6]}, "tokens"), ("/v1/chat/completions", {"messages": [{"role": "tool"}]}, "messages"),
+])
+def test_what_the_schema_rejects_is_a_400_in_openai_shape(http, path, body, param):
+    response = http.post(path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param

@@ -98,7 +98,8 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    # no upper bound: an id the model never samples never stops it (the engine accepts it, so the schema does)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint extra: one of json (a schema), json_object, regex, choice, grammar "
