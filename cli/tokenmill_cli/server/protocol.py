@@ -255,8 +255,15 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     tool_choice: Any = Field(None, description='"none", "auto" (the default with tools), "required" or '
                                                 '{"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool = Field(True, description="with a forced tool choice, allow more than one call")
-    response_format: dict[str, Any] | None = Field(None, description="text, json_object, or json_schema "
-                                                                     "({'json_schema': {'name', 'schema'}})")
+    # validated by response_format.py (its 400s name the sub-field); the schema documents the three forms
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+        {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                             "strict": {"type": ["boolean", "null"]}},
+            "required": ["name"]}}, "required": ["type", "json_schema"]},
+        {"type": "null"}],
+        "description": "text, json_object, or json_schema ({'json_schema': {'name', 'schema'}})"})] = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
