@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, WithJsonSchema, model_validator
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill_cli.server.openapi import TOKEN_ID_KEYS_MARKER, TOKEN_ID_MARKER
@@ -207,6 +207,13 @@ ChatMessage = Annotated[
     | Annotated[AssistantMessage, Tag("assistant")] | Annotated[ToolMessage, Tag("tool")],
     Discriminator(_role, custom_error_type="invalid_role",
                   custom_error_message="role must be one of system, user, assistant, tool")]
+
+_CHAT_MESSAGE: TypeAdapter[Any] = TypeAdapter(ChatMessage)
+
+
+def chat_message(data: dict[str, Any]) -> SystemMessage | UserMessage | AssistantMessage | ToolMessage:
+    """One message from its JSON form (``ChatMessage`` is a union, not a class to call)."""
+    return _CHAT_MESSAGE.validate_python(data)  # type: ignore[no-any-return]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
