@@ -55,7 +55,7 @@ def test_a_bad_prompt_in_a_batch_runs_none_and_leaks_nothing(llm):
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),  # 0 is a prompt-only request (scoring)
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"temperature": -0.1}, "temperature"),

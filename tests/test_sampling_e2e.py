@@ -132,6 +132,28 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, llama_path):
         sum(reference[prompt_len - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)), abs=1e-3)
 
 
+def test_max_tokens_zero_scores_the_prompt_and_samples_nothing(llm, llama_path):
+    """A prompt-only request (max_tokens 0) is prefilled for its logprobs, and no token is drawn:
+    the same prompt logprobs as transformers', no output token, finish_reason "length"."""
+    from transformers import AutoModelForCausalLM
+
+    ids = PROMPT["prompt_token_ids"]
+    scored, batched = llm.generate([PROMPT, {"prompt_token_ids": [5, 6, 7]}],
+                                   [SamplingParams(max_tokens=0, prompt_logprobs=1, n=2),
+                                    SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert [(c.token_ids, c.text, c.finish_reason) for c in scored.outputs] == [([], "", "length")] * 2
+    assert len(batched.outputs[0].token_ids) == 3  # a generating neighbour in the same steps is unaffected
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        assert scored.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(reference[pos - 1, ids[pos]].item(),
+                                                                              abs=1e-4)
+    (plain,) = llm.generate(PROMPT, SamplingParams(max_tokens=0))
+    assert plain.outputs[0].token_ids == [] and plain.outputs[0].finish_reason == "length"
+
+
 def test_penalties_change_greedy_output(llm):
     base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = _tokens(llm.generate(PROMPT, base))[0]

@@ -10,6 +10,7 @@ from tokenmill.config import EngineConfig
 from tokenmill_cli import generate, plugins, serve
 from tokenmill_cli.bench.app import build_bench_app
 from tokenmill_cli.engine_options import MODEL_ARGUMENT, MODEL_OPTION, engine_command
+from tokenmill_cli.tokenizer import build_tokenizer_app
 
 
 def build_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
@@ -27,6 +28,7 @@ def build_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
         engine_command(serve.serve, config_cls, model=MODEL_ARGUMENT))
     app.add_typer(build_bench_app(config_cls), name="bench",
                   help="Benchmarks: throughput, latency, serve; random-model makes a checkpoint.")
+    app.add_typer(build_tokenizer_app(), name="tokenizer", help="A model's tokenizer: export it as a folder.")
     app.command("plugins", help="List installed plugins: name, distribution, version, hooks and what they register.")(
         plugins.list_plugins
     )

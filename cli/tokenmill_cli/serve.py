@@ -12,8 +12,10 @@ import typer
 
 from tokenmill.config import EngineConfig
 from tokenmill_cli.server_options import (
+    ApiDocsNeedKey,
     DisableLogStats,
     DisableMetrics,
+    EnableTokenizerInfoEndpoint,
     HealthStallTimeout,
     LogStatsInterval,
     MaxQueuedRequests,
@@ -58,6 +60,8 @@ def serve(
     log_stats_interval: LogStatsInterval = 5.0,
     disable_metrics: DisableMetrics = False,
     max_stored_responses: MaxStoredResponses = 1000,
+    api_docs_need_key: ApiDocsNeedKey = False,
+    enable_tokenizer_info_endpoint: EnableTokenizerInfoEndpoint = False,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
     from tokenmill_cli.server.settings import load_chat_template
@@ -78,6 +82,7 @@ def serve(
     # tool calling rides along with the other settings
     operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                       reasoning_parser=reasoning_parser)
+    operations.update(api_docs_need_key=api_docs_need_key, enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     _run(llm, engine.model, host, port, api_key, served_model_name, template, log_level, operations)
 
 

@@ -1,5 +1,5 @@
 """The operations options of ``tokenmill serve`` (admission bounds, shutdown, health, logging and
-metrics), as ``Annotated`` aliases; the engine's own (``--request-timeout``) are generated from
+metrics) and a few server ones (API docs, tokenizer info), as ``Annotated`` aliases; the engine's own (``--request-timeout``) are generated from
 ``EngineConfig`` by ``engine_options``."""
 
 from __future__ import annotations
@@ -30,3 +30,13 @@ DisableMetrics = Annotated[bool, typer.Option(
 MaxStoredResponses = Annotated[int, typer.Option(
     min=0, help="Most finished /v1/responses kept in memory for GET /v1/responses/ID and previous_response_id "
                 "(least recently used out); 0: none", rich_help_panel=_OPS)]
+
+_SERVER = "Server"
+
+ApiDocsNeedKey = Annotated[bool, typer.Option(
+    "--api-docs-need-key", help="With --api-key, guard /openapi.json, /docs and /redoc too [default: open, as vLLM's]",
+    rich_help_panel=_SERVER)]
+EnableTokenizerInfoEndpoint = Annotated[bool, typer.Option(
+    "--enable-tokenizer-info-endpoint", help="Serve GET /tokenizer_info (the tokenizer's config, special tokens "
+                                             "and chat template, as vLLM's), e.g. for lm-eval's remote tokenizer",
+    rich_help_panel=_SERVER)]

@@ -113,3 +113,20 @@ def test_prefix_cache_hits_after_the_first_request_computed():
     out = _run_step(scheduler)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 16  # (17 - 1) // 4 blocks
     assert out.num_scheduled_tokens == {"b": 1}
+
+
+def test_prompt_only_request_finishes_after_its_chunked_prefill_without_a_token():
+    """max_tokens 0 (scoring): the whole prompt is computed, in chunks, then the request ends as
+    "length" with no output token (the runner samples none for it); a neighbour decodes on."""
+    scheduler = _scheduler(max_num_batched_tokens=16)
+    scheduler.add_request(_request("gen", 4, max_tokens=3, first=100))
+    scheduler.add_request(_request("score", 20, max_tokens=0))
+    steps = []
+    for _ in range(2):
+        out = scheduler.schedule()
+        finals = scheduler.update_from_output(out, ModelRunnerOutput(sampled={"gen": [7]}))
+        steps.append((out.num_scheduled_tokens, {o.req_id: (o.new_token_ids, o.finish_status) for o in finals}))
+    assert steps[0] == ({"gen": 4, "score": 12}, {"gen": ([7], None), "score": ([], None)})
+    assert steps[1] == ({"gen": 1, "score": 8}, {"gen": ([7], None), "score": ([], RequestStatus.FINISHED_LENGTH)})
+    assert "score" not in scheduler.requests
+    assert scheduler.kv.num_free_blocks == 64 - len(scheduler.kv.get_block_ids("gen"))

@@ -114,6 +114,11 @@ class Request:
         return self.status.is_finished
 
     @property
+    def is_prompt_only(self) -> bool:
+        """``max_tokens`` 0: the prompt is prefilled (for its logprobs) and no token is sampled."""
+        return self.max_tokens == 0 and self.pooling is None
+
+    @property
     def needs_every_position(self) -> bool:
         """Prompt logprobs and mean pooling need every prompt position computed: no prefix-cache hit."""
         return self.sampling_params.prompt_logprobs is not None or self.pooling is not None

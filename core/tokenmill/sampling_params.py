@@ -67,8 +67,9 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0, "repetition_penalty",
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            # 0 scores the prompt alone: it is computed (prompt_logprobs), no token is sampled
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+             f"max_tokens must be non-negative, got {self.max_tokens}"),
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),

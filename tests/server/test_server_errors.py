@@ -32,7 +32,7 @@ def test_openai_client_without_the_key_gets_401(server):
 @pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
                                          ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"),
                                          ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
-                                         ("GET", "/engine/stats"), ("GET", "/openapi.json"), ("GET", "/docs")])
+                                         ("GET", "/engine/stats")])
 def test_every_route_but_health_needs_the_key(server, method, path):
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
         error = _error(httpx.request(method, server.url + path, headers=headers, json={}), 401)
@@ -40,7 +40,17 @@ def test_every_route_but_health_needs_the_key(server, method, path):
 
 
 def test_health_needs_no_key(server):
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_api_docs_are_open_unless_asked_to_need_the_key(server, start_server, tiny_args):
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(server.url + path).status_code == 200
+    guarded = start_server(tiny_args("--api-docs-need-key", "--api-key", API_KEY))
+    for path in ("/openapi.json", "/docs"):
+        assert _error(httpx.get(guarded.url + path), 401)
+    assert httpx.get(guarded.url + "/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
 # -- 400 / 404 through the openai client --------------------------------------------------------------
@@ -95,6 +105,8 @@ CHAT_ERRORS = [
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(messages=[{"role": "tool", "content": "42"}]), "messages"),  # no tool_call_id
+    (dict(messages=[{"role": "tool", "tool_call_id": "call_1"}]), "messages"),  # no content
     (dict(extra_body={"continue_final_message": True, "add_generation_prompt": True}), "continue_final_message"),
     (dict(response_format={"type": "xml"}), "response_format.type"),
 ]
@@ -150,7 +162,8 @@ def test_missing_field_is_named(http):
 
 def test_unknown_route_and_method(http):
     assert _error(http.get("/v1/nothing"), 404)
-    assert _error(http.get("/v1/completions"), 405)
+    assert _error(response := http.get("/v1/completions"), 405)
+    assert response.headers["allow"] == "POST"
 
 
 @pytest.mark.parametrize("extra", [

@@ -14,6 +14,7 @@ from tokenmill_cli.server.auth import APIKeyMiddleware
 from tokenmill_cli.server.errors import install_error_handlers
 from tokenmill_cli.server.lifecycle import Lifecycle
 from tokenmill_cli.server.metrics import ServerMetrics
+from tokenmill_cli.server.openapi import install_openapi
 from tokenmill_cli.server.response_store import ResponseStore
 from tokenmill_cli.server.settings import ServerSettings
 from tokenmill_cli.server.state import ServerState
@@ -49,6 +50,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool 
     if settings.enable_metrics:
         app.include_router(metrics.router)
     install_error_handlers(app)
+    if settings.enable_tokenizer_info_endpoint:
+        app.include_router(tokenization.info_router)
+    install_openapi(app, app.state.server.vocab_size)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, docs_need_key=settings.api_docs_need_key)
     return app
+

@@ -1,4 +1,5 @@
-"""API-key check: ``Authorization: Bearer <key>`` on every route but ``/health``, ``/ready`` and ``/metrics``.
+"""API-key check: ``Authorization: Bearer <key>`` on every route but ``/health``, ``/ready``, ``/metrics``
+and the API's description (``/openapi.json``, ``/docs``, ``/redoc``) unless ``--api-docs-need-key``.
 
 A plain ASGI middleware rather than a FastAPI dependency, so it also guards
 ``/openapi.json``, ``/docs`` and unknown paths, and never wraps streamed
@@ -15,15 +16,19 @@ from tokenmill_cli.server.errors import error_response
 
 # probes and Prometheus scrapers come without credentials (as with vLLM, /metrics is open)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# what the API is, not what it serves: open by default, as vLLM's, so that schema-driven clients
+# (schemathesis, code generators) can read it before they know the key
+DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, docs_need_key: bool = False) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = OPEN_PATHS if docs_need_key else OPEN_PATHS | DOCS_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self._open or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",

@@ -14,9 +14,9 @@ from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
-from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs
+from tokenmill_cli.server.logprobs import chat_logprobs, padded_logprobs, prompt_logprobs
 from tokenmill_cli.server.protocol import ChatCompletionRequest, ChatMessage, ChatRendering
 from tokenmill_cli.server.reasoning import ReplyReasoning
 from tokenmill_cli.server.response_format import Constraint, naming_errors, request_constraint
@@ -48,7 +48,7 @@ from tokenmill_cli.server.tool_calls import ChatTools, chat_constraint
 router = APIRouter(tags=["chat"])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES,
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMING_RESPONSES,
              dependencies=[Depends(check_admitting)])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))
@@ -107,8 +107,15 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
     choices = [ChatChoice(index=s.index, message=message, logprobs=view.logprobs(s, 0, len(s.token_ids)),
                           finish_reason=finish_reason, stop_reason=s.stop_reason)
                for s in final.outputs for message, finish_reason in [view.reply(s.text, s.finish_reason)]]
-    response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
+    response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]),
+                                      prompt_logprobs=_prompt_logprobs(body, state, final))
     return JSONResponse(response.model_dump())
+
+
+def _prompt_logprobs(body: ChatCompletionRequest, state: ServerState, final: RequestOutput) -> list[Any] | None:
+    if body.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(state.tokenizer, final.prompt_token_ids, final.prompt_logprobs)
 
 
 @dataclass

@@ -18,9 +18,14 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
-from tokenmill_cli.server.logprobs import completion_logprobs, merge_completion_logprobs, padded_logprobs
+from tokenmill_cli.server.logprobs import (
+    completion_logprobs,
+    merge_completion_logprobs,
+    padded_logprobs,
+    prompt_logprobs,
+)
 from tokenmill_cli.server.protocol import CompletionRequest, Prompt
 from tokenmill_cli.server.responses import (
     CompletionChoice,
@@ -45,7 +50,7 @@ from tokenmill_cli.server.streaming import (
 router = APIRouter(tags=["completions"])
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES,
+@router.post("/v1/completions", response_model=CompletionResponse, responses=STREAMING_RESPONSES,
              dependencies=[Depends(check_admitting)])
 async def create_completion(body: CompletionRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))
@@ -105,7 +110,13 @@ class _View:
             parts.append(self.sample_logprobs(sample, 0, len(sample.token_ids), len(prefix)))
             logprobs = merge_completion_logprobs(parts)
         return CompletionChoice(index=index, text=prefix + sample.text, logprobs=logprobs,
+                                prompt_logprobs=self.vllm_prompt_logprobs(output),
                                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+
+    def vllm_prompt_logprobs(self, output: RequestOutput) -> list[Any] | None:
+        if self.body.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.tokenizer, output.prompt_token_ids, output.prompt_logprobs)
 
     def prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs:
         ids = output.prompt_token_ids
@@ -173,4 +184,5 @@ class _Stream:
             parts.append(self.view.sample_logprobs(sample, delta.token_start, delta.token_end, offset))
             logprobs = merge_completion_logprobs(parts)
         return CompletionChoice(index=index, text=prefix + delta.text, logprobs=logprobs,
+                                prompt_logprobs=self.view.vllm_prompt_logprobs(output) if first else None,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)

@@ -90,8 +90,11 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _http_exception(_: Request, exc: Exception) -> JSONResponse:
+    """Routing's answers (404, 405), keeping their headers: a 405 must say what is ``Allow``-ed."""
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, str(exc.detail) or HTTPStatus(exc.status_code).phrase)
+    response = error_response(exc.status_code, str(exc.detail) or HTTPStatus(exc.status_code).phrase)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _engine_dead(_: Request, exc: Exception) -> JSONResponse:
@@ -185,3 +188,11 @@ def output_error(output: RequestOutput) -> APIError | None:
     if "abort" in reasons:
         return APIError(503, output.error or "the request was aborted", code="request_aborted")
     return None
+
+
+# For the OpenAPI schema: what a route that can stream answers with (``"stream": true``).
+STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"description": "the response; with stream: server-sent events, each `data:` a chunk, then `data: [DONE]`",
+          "content": {"text/event-stream": {}}},  # events: the response's chunks, an error body, then [DONE]
+}

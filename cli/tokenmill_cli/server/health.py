@@ -9,18 +9,24 @@ requests are admitted, 503 while draining or once the engine is gone.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill_cli.server.errors import error_response
-from tokenmill_cli.server.responses import EngineStats, VersionResponse
+from tokenmill_cli.server.errors import ERROR_RESPONSES, error_response
+from tokenmill_cli.server.responses import EngineStats, ErrorResponse, StatusResponse, VersionResponse
 from tokenmill_cli.server.state import State
 
 router = APIRouter(tags=["operations"])
 
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse, "description": "the engine loop died or hangs (code "
+                                                              "engine_dead / engine_stalled), or the server drains"}}
+_KEYED: dict[int | str, dict[str, Any]] = {401: ERROR_RESPONSES[401]}
 
-@router.get("/health", response_model=None)
+
+@router.get("/health", response_model=StatusResponse, responses=_UNAVAILABLE)
 async def health(state: State) -> Response:
     """200 while the engine loop runs; 503 once it has died or hangs (so an orchestrator restarts us)."""
     engine = state.engine
@@ -30,10 +36,10 @@ async def health(state: State) -> Response:
     if stalled > state.settings.health_stall_timeout:
         return error_response(503, f"the engine loop has not gone round for {stalled:.1f} s "
                                    f"(threshold {state.settings.health_stall_timeout:g} s)", code="engine_stalled")
-    return Response(status_code=200)
+    return JSONResponse(StatusResponse(status="ok").model_dump())
 
 
-@router.get("/ready", response_model=None)
+@router.get("/ready", response_model=StatusResponse, responses=_UNAVAILABLE)
 async def ready(state: State) -> Response:
     """200 when the model is loaded and new requests are admitted; 503 while draining or dead."""
     if not state.engine.is_running:
@@ -43,12 +49,12 @@ async def ready(state: State) -> Response:
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/version")
+@router.get("/version", responses=_KEYED)
 async def version() -> VersionResponse:
     return VersionResponse(version=tokenmill.__version__)
 
 
-@router.get("/engine/stats")
+@router.get("/engine/stats", responses=_KEYED)
 async def engine_stats(state: State) -> EngineStats:
     """Queue lengths and KV-cache occupancy, read without locking: the scheduler's snapshot as of
     the engine's last step, and counters of the front end (each read atomically; together they

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.outputs import Logprob
-from tokenmill_cli.server.responses import CompletionLogprobs, TokenLogprob, TopLogprob
+from tokenmill_cli.server.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob
 
 # JSON has no -inf; OpenAI's servers answer with a large negative number instead
 _FLOOR = -9999.0
@@ -88,3 +88,12 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[T
 def _top(tokenizer: Any, token_id: int, logprob: Logprob) -> TopLogprob:
     token = _text(tokenizer, token_id, logprob)
     return TopLogprob(token=token, logprob=_value(logprob.logprob), bytes=list(token.encode()))
+
+
+def prompt_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
+                    ) -> PromptLogprobs:
+    """vLLM's layout: one entry per prompt token (None for the first), keyed by token id."""
+    return [None if not entry else
+            {str(t): PromptLogprob(logprob=_value(lp.logprob), rank=lp.rank, decoded_token=_text(tokenizer, t, lp))
+             for t, lp in entry.items()}
+            for entry in padded_logprobs(logprobs, len(token_ids))]

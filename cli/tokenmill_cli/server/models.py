@@ -11,7 +11,7 @@ from tokenmill_cli.server.state import State
 router = APIRouter(tags=["models"])
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
 async def list_models(state: State) -> ModelList:
     root, max_len = state.settings.model_root, state.engine.max_model_len
     return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len)

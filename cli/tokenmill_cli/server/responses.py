@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.outputs import RequestOutput
 
@@ -53,10 +53,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry for one candidate token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt position (None for the first): token id (as a string) -> its logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with the prompt_logprobs extra (vLLM's)")
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the text")
 
@@ -123,6 +136,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with the prompt_logprobs extra (vLLM's)")
 
 
 class DeltaFunctionCall(BaseModel):
@@ -201,6 +215,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's: ``tokenizer_config.json`` as the server's tokenizer has it (any other keys too)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    chat_template: str | None = None
+
+
+class StatusResponse(BaseModel):
+    status: Literal["ok", "ready"] = Field(description="/health: ok; /ready: ready")
 
 
 class VersionResponse(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill_cli.server.protocol import ChatMessage
+from tokenmill_cli.server.protocol import AssistantMessage, ChatMessage, SystemMessage, ToolMessage, UserMessage
 from tokenmill_cli.server.response_format import Constraint, request_constraint
 from tokenmill_cli.server.responses_objects import OutputFunctionCall, OutputItem, OutputMessage
 from tokenmill_cli.server.responses_protocol import (
@@ -49,26 +49,34 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
     them) or opens one; a ``function_call_output`` is a ``tool`` message; reasoning items are
     left out, as chat templates drop the reasoning of earlier turns.
     """
-    messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    messages: list[ChatMessage] = [SystemMessage(role="system", content=instructions)] if instructions else []
     for item in items:
         if isinstance(item, MessageItem):
-            role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role=role, content=_text(item.content)))
+            messages.append(_message(item.role, _text(item.content)))
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1].role == "assistant":
+            if messages and isinstance(messages[-1], AssistantMessage):
                 messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                messages.append(AssistantMessage(role="assistant", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
+            messages.append(ToolMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
         elif isinstance(item, OtherItem):
             raise InvalidRequestError(f"input items of type {item.type!r} are not supported: only messages, "
                                       "function_call and function_call_output items are", param="input")
         else:
             assert isinstance(item, ReasoningItem)
     return messages
+
+
+def _message(role: str, text: str) -> ChatMessage:
+    """A message item as the chat message of its role (a developer message is a system one)."""
+    if role == "assistant":
+        return AssistantMessage(role="assistant", content=text)
+    if role == "user":
+        return UserMessage(role="user", content=text)
+    return SystemMessage(role="system", content=text)
 
 
 def _text(content: Content) -> str:

@@ -18,7 +18,8 @@ _LOGIT_BIAS_LIMIT = 100.0
 
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     # echo with logprobs returns the prompt's logprobs too, as OpenAI's legacy endpoint does
-    prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+    wanted = [request.logprobs if request.echo else None, request.prompt_logprobs]
+    prompt_logprobs = max((w for w in wanted if w is not None), default=None)
     constraint = request_constraint(request.structured_outputs)
     return _sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs,
                             constraint.params if constraint else None)
@@ -29,7 +30,7 @@ def chat_sampling_params(request: ChatCompletionRequest,
     """``structured_outputs``: the request's constraint (response_format, a forced tool call, ...)."""
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, max_tokens, logprobs, None, structured_outputs)
+    return _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, structured_outputs)
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,

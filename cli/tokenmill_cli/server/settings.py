@@ -15,8 +15,12 @@ class ServerSettings(BaseModel):
     served_model_names: list[str] = Field(min_length=1, description="names a request's `model` may use; the first "
                                                                     "is the one responses report")
     model_root: str = Field(description="the checkpoint the names stand for (shown in /v1/models)")
-    api_key: str | None = Field(None, description="when set, every route but /health, /ready and /metrics needs `Bearer <key>`")
+    api_key: str | None = Field(None, description="when set, every route but /health, /ready and /metrics (and the "
+                                                  "API docs, see api_docs_need_key) needs `Bearer <key>`")
+    api_docs_need_key: bool = Field(False, description="guard /openapi.json, /docs and /redoc with the key too "
+                                                       "(open by default, as vLLM's)")
     chat_template: str | None = Field(None, description="overrides the tokenizer's chat template")
+    enable_tokenizer_info_endpoint: bool = Field(False, description="serve GET /tokenizer_info (vLLM's)")
     tool_call_parser: str | None = Field(None, description="the registered tool-call parser that reads replies "
                                                            "into tool_calls (tokenmill plugins lists them)")
     enable_auto_tool_choice: bool = Field(False, description='let tool_choice "auto" parse free replies for calls')

@@ -30,6 +30,11 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        """The token ids every route takes: those the model has logits for and the tokenizer can decode."""
+        return min(self.engine.model_info.vocab_size, len(self.engine.tokenizer))
+
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; a name this server does not serve is a 404."""
         if requested is None:

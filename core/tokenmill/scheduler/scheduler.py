@@ -275,6 +275,9 @@ class Scheduler:
             new_logprobs = runner_output.logprobs.get(req_id)
             if pooled is not None:
                 request.transition(status := RequestStatus.FINISHED_STOPPED)
+            elif status is None and request.is_prompt_only and request.num_computed_tokens >= request.num_tokens:
+                # max_tokens 0: the prompt is computed (and scored); its length was all it may have
+                request.transition(status := RequestStatus.FINISHED_LENGTH)
             if worker_error is None:  # a failed row's KV may be as broken as its logits: never share it
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs.append(EngineCoreOutput(

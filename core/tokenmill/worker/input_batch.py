@@ -29,6 +29,7 @@ class InputBatch:
         # finds them with one mask instead of asking every request.
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        self.samples_nothing = np.zeros(max_num_reqs, dtype=bool)  # pooling, or max_tokens 0: prefill only
         self.req_ids: list[str] = []
         self.states: list[CachedRequestState] = []
         self.index_of: dict[str, int] = {}
@@ -50,6 +51,7 @@ class InputBatch:
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.is_pooling[row] = state.pooling is not None
         self.wants_prompt_logprobs[row] = state.sampling_params.prompt_logprobs is not None
+        self.samples_nothing[row] = state.pooling is not None or state.sampling_params.max_tokens == 0
         self.set_blocks(row, state.block_ids)
 
     def remove(self, req_id: str) -> None:
@@ -66,7 +68,7 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks, self.is_pooling,
-                      self.wants_prompt_logprobs):
+                      self.wants_prompt_logprobs, self.samples_nothing):
             array[dst] = array[src]
         self.block_table[dst, : self.num_blocks[src]] = self.block_table[src, : self.num_blocks[src]]
         self.req_ids[dst], self.states[dst] = self.req_ids[src], self.states[src]

@@ -185,7 +185,7 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
-        mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
+        mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return
