@@ -55,6 +55,14 @@ def _schema_expressible(body: Any) -> bool:
     if isinstance(response_format, dict) and isinstance(response_format.get("json_schema"), dict) and \
             response_format["json_schema"].get("schema") is not None:
         return False  # a JSON schema of its own: the grammar backend judges it
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("schema") is not None:
+        return False  # the Responses API's text.format json_schema: the same
+    if body.get("previous_response_id") is not None:
+        return False  # names a response the server may or may not have stored: its state, not the schema
+    items = body.get("input")
+    if isinstance(items, list) and items and all(isinstance(i, dict) and i.get("type") == "reasoning" for i in items):
+        return False  # reasoning items alone leave the prompt nothing to answer (they are not replayed to it)
     max_tokens = body.get("max_tokens", 16 if "prompt" in body else None)  # completions' default: 16
     max_tokens = body.get("max_completion_tokens", max_tokens)
     if _number(body.get("min_tokens")) and _number(max_tokens) and body["min_tokens"] > max_tokens:

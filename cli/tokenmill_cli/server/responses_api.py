@@ -60,10 +60,17 @@ from tokenmill_cli.server.tool_calls import ChatTools, chat_constraint
 
 router = APIRouter(tags=["responses"])
 
-_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse, "description": "no stored response has this id"}}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    401: ERROR_RESPONSES[401], 404: {"model": ErrorResponse, "description": "no stored response has this id"}}
+_CREATED: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"description": "the response; with stream: server-sent events (an `event:` line with each event's type, "
+                         "`data:` its JSON), ending with response.completed, .incomplete or .failed",
+          "content": {"text/event-stream": {}}},
+}
 
 
-@router.post("/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES,
+@router.post("/v1/responses", response_model=ResponseObject, responses=_CREATED,
              dependencies=[Depends(check_admitting)])
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))

@@ -37,7 +37,16 @@ class OtherPart(BaseModel):
     type: str
 
 
-Content = str | list[TextPart | SkipJsonSchema[OtherPart]]
+def _part_kind(value: Any) -> str:
+    """Text parts by their type, whatever else they carry (a plain union would let ``OtherPart``,
+    which keeps extra keys, win for a text part that has some)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text" if kind in ("input_text", "output_text") else "other"
+
+
+Part = Annotated[Annotated[TextPart, Tag("text")] | Annotated[SkipJsonSchema[OtherPart], Tag("other")],
+                 Discriminator(_part_kind)]
+Content = str | list[Part]
 
 
 class MessageItem(BaseModel):
