@@ -7,6 +7,7 @@ round trip, thinking blocks on the reciting reasoning model, and errors and the 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
@@ -14,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import API_KEY, MODEL
+from pydantic import BaseModel
 from reasoning_model import CONTENT, REASONING, build_reasoning_model
 
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}, "hour24": {"type": "boolean"}},
@@ -117,6 +119,30 @@ def test_count_tokens_is_the_prompt_a_message_counts(claude):
     args = {"system": "You are terse.", "messages": QUESTION}
     counted = claude.messages.count_tokens(model=MODEL, **args)
     assert counted.input_tokens == claude.messages.create(max_tokens=1, **args, **GREEDY).usage.input_tokens > 0
+
+
+# -- structured output -------------------------------------------------------------------------------------
+class Pick(BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+def test_the_sdk_parses_a_structured_message(claude):
+    """``messages.parse`` sends the model's schema as ``output_config.format``."""
+    message = claude.messages.parse(messages=[{"role": "user", "content": "Pick a color"}], output_format=Pick,
+                                    max_tokens=200, **GREEDY)
+    assert message.stop_reason == "end_turn" and isinstance(message.parsed_output, Pick)
+    assert message.parsed_output == Pick.model_validate_json(text_of(message))
+
+
+def test_a_streamed_structured_message_follows_its_schema(claude):
+    output_config = {"format": {"type": "json_schema", "schema": WEATHER}}
+    with claude.messages.stream(messages=[{"role": "user", "content": "The weather?"}], output_config=output_config,
+                                max_tokens=200, **GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn" and text == text_of(final)
+    jsonschema.validate(json.loads(text), WEATHER)
 
 
 # -- streamed --------------------------------------------------------------------------------------------
@@ -257,6 +283,10 @@ BAD = {
     "auto without a parser": {"tools": TOOLS},
     "tool without schema": {"tools": [{"name": "get_time"}]},
     "unknown tool choice": {"tools": TOOLS, "tool_choice": {"type": "sometimes"}},
+    "bad output schema": {"output_config": {"format": {"type": "json_schema", "schema": {"type": "strnig"}}}},
+    "output format kind": {"output_config": {"format": {"type": "yaml"}}},
+    "forced call and output format": {"tools": TOOLS, "tool_choice": NAMED,
+                                      "output_config": {"format": {"type": "json_schema", "schema": TIME}}},
     "too long": {"messages": [{"role": "user", "content": "word " * 400}]},
     "not json": "{",
 }

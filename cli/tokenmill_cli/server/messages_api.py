@@ -3,8 +3,9 @@
 A request is the chat request it stands for (``messages_input``): its turns render through the
 chat template and generate through ``chat.generate_chat``, its tool calls are read by the
 server's tool-call parser (``ChatTools``; ``tool_choice`` ``any`` and ``tool`` force a call by
-grammar) and, with ``--reasoning-parser``, the reply's reasoning section becomes a ``thinking``
-block before the text. Errors on these routes come in Anthropic's shape: the app's handlers
+grammar), ``output_config.format`` holds the text to a JSON schema and, with
+``--reasoning-parser``, the reply's reasoning section becomes a ``thinking`` block before the text
+(a constraint then applies to the text after it). Errors on these routes come in Anthropic's shape: the app's handlers
 decide the status as for every route, :class:`AnthropicErrorsRoute` reshapes their body.
 """
 
@@ -27,7 +28,14 @@ from tokenmill_cli.server.chat import chat_prompt_ids, generate_chat
 from tokenmill_cli.server.errors import APIError, exception_body, output_error
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.messages_events import BlockEvents, error_event
-from tokenmill_cli.server.messages_input import chat_messages, chat_tool_choice, chat_tools, rendering, tool_input
+from tokenmill_cli.server.messages_input import (
+    chat_messages,
+    chat_tool_choice,
+    chat_tools,
+    output_constraint,
+    rendering,
+    tool_input,
+)
 from tokenmill_cli.server.messages_objects import (
     MESSAGES_ERROR_RESPONSES,
     ContentBlock,
@@ -126,7 +134,7 @@ async def _serve(body: MessagesRequest, state: ServerState, request: Request) ->
     tools = ChatTools.of_request(chat_tools(body.tools), tool_choice, parallel, state.settings.tool_call_parser,
                                  state.settings.enable_auto_tool_choice, state.tokenizer)
     reasoning = ReplyReasoning.of_server(state.settings.reasoning_parser, state.tokenizer)
-    constraint = reasoning.constrain(chat_constraint(tools, None))
+    constraint = reasoning.constrain(chat_constraint(tools, output_constraint(body.output_config)))
     plan = _Plan(new_message_id(), model, tools, reasoning, _sampling_params(body, constraint))
     merged = generate_chat(state, chat_messages(body.system, body.messages), rendering(body), plan.params,
                            constraint, plan.id, body.priority, body.timeout)

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill_cli.server.messages_protocol import (
     CountTokensRequest,
     MessageParam,
+    OutputConfig,
     TextBlockParam,
     ThinkingBlockParam,
     ToolChoiceAny,
@@ -28,6 +30,7 @@ from tokenmill_cli.server.messages_protocol import (
     ToolUseBlockParam,
 )
 from tokenmill_cli.server.protocol import ChatMessage, ChatRendering
+from tokenmill_cli.server.response_format import Constraint
 
 
 def chat_messages(system: str | list[TextBlockParam] | None, turns: Sequence[MessageParam]) -> list[ChatMessage]:
@@ -142,3 +145,10 @@ def tool_input(arguments: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+def output_constraint(config: OutputConfig | None) -> Constraint | None:
+    """``output_config.format``: the text held to its JSON schema (the structured-output grammar)."""
+    if config is None or config.format is None:
+        return None
+    return Constraint(StructuredOutputsParams(json=config.format.json_schema), "output_config.format.schema")

@@ -128,6 +128,20 @@ ToolChoiceParam = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | To
                             Field(discriminator="type")]
 
 
+class JSONOutputFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema", description="the JSON schema the text must follow")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: JSONOutputFormat | None = Field(None, description="structured output: the text follows the schema")
+    effort: str | None = Field(None, description="accepted; without effect")
+
+
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -164,6 +178,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = Field(None, description="strings that end the reply (not included)")
     stream: bool = False
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = Field(None, description="format: a JSON schema the text follows")
     # tokenmill's extras, as in chat completions
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
