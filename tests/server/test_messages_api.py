@@ -6,7 +6,9 @@ round trip, thinking blocks on the reciting reasoning model, and errors and the 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Literal
 
 import anthropic
@@ -337,3 +339,52 @@ def test_the_schema_documents_the_routes(http):
     request = schema["components"]["schemas"]["MessagesRequest"]
     assert {"max_tokens", "messages"} <= set(request["required"])
     assert "OtherBlock" not in json.dumps(schema["components"]["schemas"]["MessageParam"])
+
+
+# -- limits: the request's timeout, a full queue ------------------------------------------------------------
+BLOCKER = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+           "n": 16, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def queued(start_server, tiny_args):
+    """One sequence slot (a blocker makes later requests wait), two queued requests at most, no key."""
+    return start_server(tiny_args("--max-num-seqs", "1", "--max-queued-requests", "2"))
+
+
+def test_a_timeout_is_the_stop_reason(queued):
+    claude = anthropic_client(queued.url)
+    args = {"messages": QUESTION, "max_tokens": 50, "model": MODEL, "extra_body": {"temperature": 0, "timeout": 0.3}}
+    with httpx.Client(base_url=queued.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=BLOCKER) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator closes the response
+            assert next(lines).startswith("data: {")
+            whole = claude.messages.create(**args)
+            with claude.messages.stream(**args) as stream:
+                streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "timeout" and message.content == [] and message.usage.output_tokens == 0
+
+
+def test_a_full_queue_is_a_429_in_anthropic_shape(queued):
+    """The slot is taken and two requests wait for it: the third is refused, with Retry-After."""
+    async def scenario():
+        async with httpx.AsyncClient(base_url=queued.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=BLOCKER) as blocker:
+                lines = blocker.aiter_lines()  # kept: a dropped iterator closes the response
+                await anext(lines)
+                waiting = [asyncio.ensure_future(http.post("/v1/messages", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": f"queued {i}"}], "max_tokens": 2}))
+                    for i in range(2)]
+                deadline = time.monotonic() + 30
+                while (await http.get("/engine/stats")).json()["queued"] < 2:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                refused = await http.post("/v1/messages", json={"model": MODEL, "messages": QUESTION,
+                                                                "max_tokens": 2})
+            return refused, await asyncio.gather(*waiting)  # the blocker left: the queue moves again
+
+    refused, waited = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "rate_limit_error"
+    assert [r.status_code for r in waited] == [200, 200]
