@@ -13,6 +13,7 @@ from tokenmill_cli.server import chat, completions, embeddings, health, metrics,
 from tokenmill_cli.server.auth import APIKeyMiddleware
 from tokenmill_cli.server.errors import install_error_handlers
 from tokenmill_cli.server.lifecycle import Lifecycle
+from tokenmill_cli.server.messages_api import router as messages_router
 from tokenmill_cli.server.metrics import ServerMetrics
 from tokenmill_cli.server.openapi import install_openapi
 from tokenmill_cli.server.response_store import ResponseStore
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from tokenmill.entrypoints.async_llm import AsyncLLM
 
 ROUTERS = (models.router, completions.router, chat.router, responses_api.router, embeddings.router, tokenization.router,
-           health.router)
+           health.router, messages_router)
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool = True) -> FastAPI:
