@@ -338,7 +338,10 @@ def test_the_schema_documents_the_routes(http):
     assert "400" in schema["paths"]["/v1/messages"]["post"]["responses"]
     request = schema["components"]["schemas"]["MessagesRequest"]
     assert {"max_tokens", "messages"} <= set(request["required"])
-    assert "OtherBlock" not in json.dumps(schema["components"]["schemas"]["MessageParam"])
+    for turn in ("UserMessageParam", "AssistantMessageParam"):  # each role's blocks, and no other kind
+        assert "OtherBlock" not in json.dumps(schema["components"]["schemas"][turn])
+    user_turn = json.dumps(schema["components"]["schemas"]["UserMessageParam"])
+    assert "ToolResultBlockParam" in user_turn and "ToolUseBlockParam" not in user_turn
 
 
 # -- limits: the request's timeout, a full queue ------------------------------------------------------------

@@ -60,6 +60,11 @@ def _schema_expressible(body: Any) -> bool:
         return False  # the Responses API's text.format json_schema: the same
     if body.get("previous_response_id") is not None:
         return False  # names a response the server may or may not have stored: its state, not the schema
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) and \
+            messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), list) and \
+            any(isinstance(b, dict) and b.get("type") == "tool_use" for b in messages[-1]["content"]):
+        return False  # Messages API: a last assistant turn is continued, and cannot be once it called a tool
     items = body.get("input")
     if isinstance(items, list) and items and all(isinstance(i, dict) and i.get("type") == "reasoning" for i in items):
         return False  # reasoning items alone leave the prompt nothing to answer (they are not replayed to it)
@@ -67,7 +72,6 @@ def _schema_expressible(body: Any) -> bool:
     max_tokens = body.get("max_completion_tokens", max_tokens)
     if _number(body.get("min_tokens")) and _number(max_tokens) and body["min_tokens"] > max_tokens:
         return False
-    messages = body.get("messages")
     if body.get("continue_final_message") and isinstance(messages, list) and messages and not (
             isinstance(messages[-1], dict) and messages[-1].get("content")):
         return False  # continuing the last message needs it to have content

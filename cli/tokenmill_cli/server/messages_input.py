@@ -29,7 +29,14 @@ from tokenmill_cli.server.messages_protocol import (
     ToolResultContent,
     ToolUseBlockParam,
 )
-from tokenmill_cli.server.protocol import ChatMessage, ChatRendering
+from tokenmill_cli.server.protocol import (
+    AssistantMessage,
+    ChatMessage,
+    ChatRendering,
+    SystemMessage,
+    ToolMessage,
+    UserMessage,
+)
 from tokenmill_cli.server.response_format import Constraint
 
 
@@ -38,14 +45,16 @@ def chat_messages(system: str | list[TextBlockParam] | None, turns: Sequence[Mes
 
     A user turn's text blocks (joined) are a user message and its ``tool_result`` blocks ``tool``
     messages, in the order given; an assistant turn is one message, its text then its calls;
-    ``thinking`` blocks are left out, as chat templates drop the reasoning of earlier turns.
+    ``thinking`` blocks are left out (wherever they stand), as chat templates drop the reasoning
+    of earlier turns.
     """
     text = _text(system, "system") if system is not None else ""
-    messages = [ChatMessage(role="system", content=text)] if text else []
+    messages: list[ChatMessage] = [SystemMessage(role="system", content=text)] if text else []
     for index, turn in enumerate(turns):
         where = f"messages[{index}]"
         if isinstance(turn.content, str):
-            messages.append(ChatMessage(role=turn.role, content=turn.content))
+            messages.append(AssistantMessage(role="assistant", content=turn.content) if turn.role == "assistant"
+                            else UserMessage(role="user", content=turn.content))
         elif turn.role == "assistant":
             messages.append(_assistant_message(turn.content, where))
         else:
@@ -63,7 +72,7 @@ def _assistant_message(blocks: Sequence[Any], where: str) -> ChatMessage:
                           "function": {"name": block.name, "arguments": json.dumps(block.input)}})
         elif not isinstance(block, ThinkingBlockParam):
             raise _unsupported(block, where, "an assistant turn holds text, tool_use and thinking blocks")
-    return ChatMessage(role="assistant", content="".join(texts) if texts or not calls else None,
+    return AssistantMessage(role="assistant", content="".join(texts) if texts or not calls else None,
                        tool_calls=calls or None)
 
 
@@ -74,15 +83,17 @@ def _user_messages(blocks: Sequence[Any], where: str) -> list[ChatMessage]:
         if isinstance(block, TextBlockParam):
             texts.append(block.text)
             continue
+        if isinstance(block, ThinkingBlockParam):
+            continue  # left out wherever it stands, as in an assistant turn
         if not isinstance(block, ToolResultBlockParam):
-            raise _unsupported(block, where, "a user turn holds text and tool_result blocks")
+            raise _unsupported(block, where, "a user turn holds text, tool_result and thinking blocks")
         if texts:
-            messages.append(ChatMessage(role="user", content="".join(texts)))
+            messages.append(UserMessage(role="user", content="".join(texts)))
             texts = []
-        messages.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id,
+        messages.append(ToolMessage(role="tool", tool_call_id=block.tool_use_id,
                                     content=_text(block.content, f"{where}.content")))
     if texts or not messages:
-        messages.append(ChatMessage(role="user", content="".join(texts)))
+        messages.append(UserMessage(role="user", content="".join(texts)))
     return messages
 
 

@@ -78,19 +78,46 @@ def _block_kind(value: Any) -> str:
     return kind if kind in _BLOCK_KINDS else "other"
 
 
-ContentBlockParam = Annotated[
+def _user_block_kind(value: Any) -> str:
+    """What a user turn holds: text, tool results (and reasoning sent back, left out); anything else is refused."""
+    kind = _block_kind(value)
+    return kind if kind in ("text", "tool_result", "thinking") else "other"
+
+
+def _assistant_block_kind(value: Any) -> str:
+    """What an assistant turn holds: text, tool calls and reasoning; anything else is refused."""
+    kind = _block_kind(value)
+    return kind if kind in ("text", "tool_use", "thinking") else "other"
+
+
+UserBlockParam = Annotated[
+    Annotated[TextBlockParam, Tag("text")] | Annotated[ToolResultBlockParam, Tag("tool_result")]
+    | Annotated[ThinkingBlockParam, Tag("thinking")] | SkipJsonSchema[Annotated[OtherBlock, Tag("other")]],
+    Discriminator(_user_block_kind),
+]
+AssistantBlockParam = Annotated[
     Annotated[TextBlockParam, Tag("text")] | Annotated[ToolUseBlockParam, Tag("tool_use")]
-    | Annotated[ToolResultBlockParam, Tag("tool_result")] | Annotated[ThinkingBlockParam, Tag("thinking")]
-    | SkipJsonSchema[Annotated[OtherBlock, Tag("other")]],
-    Discriminator(_block_kind),
+    | Annotated[ThinkingBlockParam, Tag("thinking")] | SkipJsonSchema[Annotated[OtherBlock, Tag("other")]],
+    Discriminator(_assistant_block_kind),
 ]
 
 
-class MessageParam(BaseModel):
+class UserMessageParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["user", "assistant"]
-    content: str | list[ContentBlockParam]
+    role: Literal["user"]
+    content: str | list[UserBlockParam]
+
+
+class AssistantMessageParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["assistant"]
+    content: str | list[AssistantBlockParam]
+
+
+# A turn's blocks by its role, so the schema says which blocks each role may hold.
+MessageParam = Annotated[UserMessageParam | AssistantMessageParam, Field(discriminator="role")]
 
 
 class ToolParam(BaseModel):
