@@ -1,0 +1,149 @@
+"""FP8 checkpoints end to end: written in the ``fp8`` on-disk layout (tests/fp8_models.py),
+loaded by ``LLM(path)`` with no flag, generating what transformers generates on the
+dequantised weights.
+
+Tolerance: the weights are the dequantised ones exactly, but tokenmill also rounds
+each activation row to e4m3 before every matmul, which transformers does not: 3
+mantissa bits, a relative error up to 2**-4 per element, about 1.8% RMS. The tiny
+Llama's 14 matmuls compound that to a few percent of the final hidden state; its
+logits have a spread of about 4 (RMS-normed 64-wide hidden, lm_head weights of std
+0.5), so each logit moves by about 0.1 and a chosen-token logprob (a difference of
+logits) by up to about 3 sigma of that, 0.3 nat; 0.35 allows for the accumulation
+order. Tokens whose top two logits lie closer than that may flip, hence "95% of
+positions" rather than all, counted by teacher forcing (tests/quant_agreement.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from fp8_models import SCHEMES, build_fp8_pair, static_input_rounding
+from quant_agreement import agreement_with_transformers
+from safetensors import safe_open
+from tiny_models import build_model
+
+from tokenmill import LLM, SamplingParams
+
+MAX_NEW = 16
+LOGPROB_TOLERANCE = 0.35
+
+
+def _prompts(count: int = 8, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 380) for _ in range(n)] for n in (4, 9, 13, 20, 27, 31, 40, 52)[:count]]
+
+
+@pytest.fixture(scope="module")
+def float_llama(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module", params=SCHEMES)
+def fp8_pair(request, float_llama, tmp_path_factory) -> tuple[Path, Path, str]:
+    assert any(ep.name == "fp8" for ep in entry_points(group="tokenmill.plugins")), \
+        "plugin 'fp8' is not installed: pip install -e quantization/fp8"
+    quantized, dequantized = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("dequantized")
+    build_fp8_pair(float_llama, quantized, dequantized, request.param, calibration=_prompts() + _prompts(seed=11))
+    return quantized, dequantized, request.param
+
+
+def _generate(folder: Path, prompts: list[list[int]], **options) -> tuple[list[list[int]], list[list[float]]]:
+    llm = LLM(str(folder), dtype="float32", max_model_len=96, kv_cache_memory="16MiB", **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
+    completions = [out.outputs[0] for out in outputs]
+    return ([c.token_ids for c in completions],
+            [[next(iter(step.values())).logprob for step in c.logprobs] for c in completions])
+
+
+def test_fp8_checkpoint_generates_like_transformers_on_dequantised_weights(fp8_pair):
+    quantized, dequantized, scheme = fp8_pair
+    prompts = _prompts()
+    tokens, logprobs = _generate(quantized, prompts)
+    if scheme == "static":
+        # A static scale is per tensor, so small rows land among e4m3's subnormals and round
+        # coarsely (the scheme's price, 94% of positions unrounded): transformers' linear inputs
+        # are rounded the same way, leaving only float32 accumulation order and rounding ties.
+        agreement = agreement_with_transformers(dequantized, prompts, tokens, logprobs,
+                                                static_input_rounding(quantized))
+        assert agreement.fraction >= 0.99 and agreement.max_logprob_error <= 0.01, agreement
+    else:
+        agreement = agreement_with_transformers(dequantized, prompts, tokens, logprobs)
+        assert agreement.fraction >= 0.95, f"{scheme}: {agreement}"
+        assert agreement.max_logprob_error <= LOGPROB_TOLERANCE, f"{scheme}: {agreement}"
+
+
+def test_the_checkpoint_holds_fp8_within_rounding(fp8_pair, float_llama):
+    """The packing: safetensors stores F8_E4M3 weights, and weight * scale is the original
+    weight up to e4m3 rounding (half a unit in the last of 3 mantissa bits, relative 2**-4)."""
+    quantized, dequantized, _ = fp8_pair
+    name = "model.layers.0.mlp.down_proj.weight"
+    with safe_open(str(quantized / "model.safetensors"), "pt") as f:
+        assert f.get_slice(name).get_dtype() == "F8_E4M3"
+    with safe_open(str(dequantized / "model.safetensors"), "pt") as f, \
+            safe_open(str(float_llama / "model.safetensors"), "pt") as g:
+        ours, original = f.get_tensor(name), g.get_tensor(name)
+    assert not torch.equal(ours, original)
+    normal = original.abs() > original.abs().max() * 2 ** -6  # subnormals round in absolute, not relative, terms
+    assert ((ours - original).abs()[normal] <= original.abs()[normal] * 2 ** -4 + 1e-12).all()
+
+
+def test_online_fp8_of_a_float_checkpoint_is_the_per_channel_checkpoint(float_llama, tmp_path):
+    """``quantization="fp8"`` on a float checkpoint quantizes each decoder weight per
+    output channel at load, exactly as tests/fp8_models.py's per-channel quantizer does
+    (``max|W_row| / 448``, round to e4m3): the same tokens and logprobs as that checkpoint."""
+    quantized = tmp_path / "fp8"
+    build_fp8_pair(float_llama, quantized, tmp_path / "ref", "per-channel")
+    prompts = _prompts()
+    online = _generate(float_llama, prompts, quantization="fp8")
+    assert online == _generate(quantized, prompts)
+    assert online != _generate(float_llama, prompts), "online fp8 changed nothing"
+
+
+def _rewrite(source: Path, target: Path, edit) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = load_file(str(source / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def test_a_weight_scale_of_the_wrong_shape_is_refused_at_load(float_llama, tmp_path):
+    quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
+    build_fp8_pair(float_llama, quantized, dequantized, "per-channel")
+    name = "model.layers.1.self_attn.k_proj.weight_scale"
+    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:-3]))
+    with pytest.raises(ValueError, match=r"k_proj\.weight_scale|qkv_proj\.weight_scale"):
+        LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def test_a_float_weight_where_fp8_is_declared_is_refused_at_load(float_llama, tmp_path):
+    quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
+    build_fp8_pair(float_llama, quantized, dequantized, "per-tensor")
+    name = "model.layers.0.mlp.up_proj.weight"
+    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name].float()))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def test_block_scales_of_the_wrong_shape_and_blocks_that_split_a_shard_are_refused(float_llama, tmp_path):
+    quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
+    build_fp8_pair(float_llama, quantized, dequantized, "block")
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [48, 48]  # k/v shards have 32 rows
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")

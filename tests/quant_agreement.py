@@ -1,0 +1,52 @@
+"""How closely a quantized model's greedy generation follows a float reference.
+
+Weight-and-activation methods (FP8, INT8 W8A8) round the activations too, so
+transformers on the dequantised weights is not bit-for-bit what they compute: a
+near-tie between two tokens may flip. Comparing free-running generations would
+count every position after a flip as a miss; instead transformers scores the
+quantized model's own completion (teacher forcing), and each position counts as a
+match when transformers' argmax there is the token tokenmill chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Agreement:
+    positions: int
+    matching: int
+    max_logprob_error: float  # |ours - reference| of the chosen token, over all positions
+
+    @property
+    def fraction(self) -> float:
+        return self.matching / self.positions
+
+
+def agreement_with_transformers(reference: Path, prompts: list[list[int]], completions: list[list[int]],
+                                logprobs: list[list[float]],
+                                prepare: Callable[[torch.nn.Module], None] | None = None) -> Agreement:
+    """Score ``completions`` (with our chosen-token ``logprobs``) under transformers on
+    ``reference``; ``prepare(model)`` may hook the model first (to round its inputs)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    if prepare is not None:
+        prepare(model)
+    positions = matching = 0
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, completion, ours in zip(prompts, completions, logprobs, strict=True):
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].float()
+            reference_logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = torch.tensor(completion)
+            positions += len(completion)
+            matching += int((reference_logprobs.argmax(dim=-1) == chosen).sum())
+            theirs = reference_logprobs[torch.arange(len(completion)), chosen]
+            worst = max(worst, float((theirs - torch.tensor(ours)).abs().max()))
+    return Agreement(positions, matching, worst)
