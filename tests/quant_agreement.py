@@ -50,3 +50,29 @@ def agreement_with_transformers(reference: Path, prompts: list[list[int]], compl
             theirs = reference_logprobs[torch.arange(len(completion)), chosen]
             worst = max(worst, float((theirs - torch.tensor(ours)).abs().max()))
     return Agreement(positions, matching, worst)
+
+
+def greedy_with_logprobs(folder: Path, prompts: list[list[int]], max_new_tokens: int,
+                         **options: object) -> tuple[list[list[int]], list[list[float]]]:
+    """tokenmill's greedy completions of ``prompts`` from ``folder`` and their chosen-token logprobs."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype="float32", max_model_len=96, kv_cache_memory="16MiB", **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=0))
+    completions = [out.outputs[0] for out in outputs]
+    return ([list(c.token_ids) for c in completions],
+            [[next(iter(step.values())).logprob for step in c.logprobs] for c in completions])
+
+
+def rewrite_checkpoint(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the single-file checkpoint ``source`` whose tensors ``edit`` changed in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = load_file(str(source / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

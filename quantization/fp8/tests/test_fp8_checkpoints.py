@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_models import SCHEMES, build_fp8_pair, static_input_rounding
-from quant_agreement import agreement_with_transformers
+from quant_agreement import agreement_with_transformers, greedy_with_logprobs, rewrite_checkpoint
 from safetensors import safe_open
 from tiny_models import build_model
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 
 MAX_NEW = 16
 LOGPROB_TOLERANCE = 0.35
@@ -53,12 +53,7 @@ def fp8_pair(request, float_llama, tmp_path_factory) -> tuple[Path, Path, str]:
 
 
 def _generate(folder: Path, prompts: list[list[int]], **options) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(str(folder), dtype="float32", max_model_len=96, kv_cache_memory="16MiB", **options)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
-    completions = [out.outputs[0] for out in outputs]
-    return ([c.token_ids for c in completions],
-            [[next(iter(step.values())).logprob for step in c.logprobs] for c in completions])
+    return greedy_with_logprobs(folder, prompts, MAX_NEW, **options)
 
 
 def test_fp8_checkpoint_generates_like_transformers_on_dequantised_weights(fp8_pair):
@@ -105,23 +100,11 @@ def test_online_fp8_of_a_float_checkpoint_is_the_per_channel_checkpoint(float_ll
     assert online != _generate(float_llama, prompts), "online fp8 changed nothing"
 
 
-def _rewrite(source: Path, target: Path, edit) -> Path:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, target, dirs_exist_ok=True)
-    tensors = load_file(str(source / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return target
-
-
 def test_a_weight_scale_of_the_wrong_shape_is_refused_at_load(float_llama, tmp_path):
     quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
     build_fp8_pair(float_llama, quantized, dequantized, "per-channel")
     name = "model.layers.1.self_attn.k_proj.weight_scale"
-    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:-3]))
+    bad = rewrite_checkpoint(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:-3]))
     with pytest.raises(ValueError, match=r"k_proj\.weight_scale|qkv_proj\.weight_scale"):
         LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
 
@@ -130,7 +113,7 @@ def test_a_float_weight_where_fp8_is_declared_is_refused_at_load(float_llama, tm
     quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
     build_fp8_pair(float_llama, quantized, dequantized, "per-tensor")
     name = "model.layers.0.mlp.up_proj.weight"
-    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name].float()))
+    bad = rewrite_checkpoint(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name].float()))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
 
@@ -139,7 +122,7 @@ def test_block_scales_of_the_wrong_shape_and_blocks_that_split_a_shard_are_refus
     quantized, dequantized = tmp_path / "fp8", tmp_path / "ref"
     build_fp8_pair(float_llama, quantized, dequantized, "block")
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
-    bad = _rewrite(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
+    bad = rewrite_checkpoint(quantized, tmp_path / "bad", lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
     with pytest.raises(ValueError, match="weight_scale_inv"):
         LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
     config = json.loads((quantized / "config.json").read_text())
