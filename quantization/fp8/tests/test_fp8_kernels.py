@@ -12,8 +12,10 @@ from tokenmill_quant_fp8 import kernels
 from tokenmill_quant_fp8.kernels import (
     FP8_DTYPE,
     FP8_MAX,
+    block_scales_per_row,
     choose_fp8_gemm,
     fp8_block_linear_reference,
+    fp8_block_linear_scaled_mm,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
     quantize_per_token,
@@ -84,8 +86,12 @@ def test_block_wise_reference_matches_the_blocks_spelled_out(m, k, n):
     scales = torch.rand(-(-n // block[0]), -(-k // block[1])) + 0.01
     x = torch.randn(m, k)
     bias = torch.randn(n)
-    ours = fp8_block_linear_reference(x, weight, scales, block, bias)
-    torch.testing.assert_close(ours, _block_product_by_loops(x, weight, scales, block) + bias, rtol=1e-5, atol=1e-4)
+    expected = _block_product_by_loops(x, weight, scales, block) + bias
+    torch.testing.assert_close(fp8_block_linear_reference(x, weight, scales, block, bias), expected,
+                               rtol=1e-5, atol=1e-4)
+    row_scales = block_scales_per_row(scales, block[0], n)
+    torch.testing.assert_close(fp8_block_linear_scaled_mm(x, weight, row_scales, block, bias), expected,
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_group_quantization_pads_a_short_last_group():

@@ -8,8 +8,10 @@ float32) and refuses mixed pairs (a per-token ``scale_a`` with a single
 than the activations being reduced to one scale.
 
 Block-wise checkpoints (one scale per 128x128 weight block, activations per token
-and per 128-column group) have no ``_scaled_mm`` form here; they run
-:func:`fp8_block_linear_reference`.
+and per 128-column group) are a sum over column groups of row-wise products: group
+``g`` of ``x`` has one scale per token, and column block ``g`` of the weight one
+scale per output row (its row block's), so :func:`fp8_block_linear_scaled_mm` makes
+one ``_scaled_mm`` call per group; :func:`fp8_block_linear_reference` dequantises.
 """
 
 from __future__ import annotations
@@ -83,6 +85,25 @@ def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_sca
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
+def block_scales_per_row(weight_scale_inv: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
+    """``[ceil(N / rows), G]`` block scales as ``[G, N]``: column group ``g``'s scale of each output row."""
+    return weight_scale_inv.float().repeat_interleave(rows, dim=0)[:out_features].t().contiguous()
+
+
+def fp8_block_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor,
+                               block: tuple[int, int], bias: torch.Tensor | None) -> torch.Tensor:
+    """Block-wise FP8 as one row-wise ``_scaled_mm`` per column group, summed in float32
+    (``row_scales``: :func:`block_scales_per_row`)."""
+    k, cols = weight.shape[1], block[1]
+    xq, x_scale = quantize_per_token_group(x, cols)
+    out = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
+    for g, start in enumerate(range(0, k, cols)):
+        columns = slice(start, min(start + cols, k))
+        out += torch._scaled_mm(xq[:, columns], weight[:, columns].t(), scale_a=x_scale[:, g:g + 1].contiguous(),
+                                scale_b=row_scales[g:g + 1], out_dtype=torch.float32)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
 @functools.cache
 def scaled_mm_runs_on(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` with row-wise scales runs on ``device`` (tried once,
@@ -98,17 +119,20 @@ def scaled_mm_runs_on(device: torch.device) -> bool:
     return True
 
 
-def choose_fp8_gemm(device: torch.device, in_features: int, out_features: int) -> str:
-    """``"scaled_mm"`` or ``"reference"`` for a layer of this shape on ``device``, logged
-    once per device, path and reason. CUDA's kernels want K and N multiples of 16."""
+def choose_fp8_gemm(device: torch.device, in_features: int, out_features: int, block_cols: int | None = None) -> str:
+    """``"scaled_mm"`` or ``"reference"`` for a layer of this shape on ``device`` (block-wise:
+    ``block_cols`` columns a group), logged once per device, kind, path and reason. CUDA's
+    kernels want K and N (and a block's columns) multiples of 16."""
+    kind = "fp8" if block_cols is None else "block-wise fp8"
     if not scaled_mm_runs_on(device):
-        return _chosen(device, "reference", f"torch._scaled_mm does not run on {device.type}")
-    if device.type == "cuda" and (in_features % 16 or out_features % 16):
-        return _chosen(device, "reference", "torch._scaled_mm on cuda needs K and N multiples of 16")
-    return _chosen(device, "scaled_mm", "row-wise scales")
+        return _chosen(device, kind, "reference", f"torch._scaled_mm does not run on {device.type}")
+    if device.type == "cuda" and any(size % 16 for size in (in_features, out_features, block_cols or 16)):
+        return _chosen(device, kind, "reference", "torch._scaled_mm on cuda needs K, N and block columns "
+                                                  "multiples of 16")
+    return _chosen(device, kind, "scaled_mm", "row-wise scales" if block_cols is None else "one call per column group")
 
 
 @functools.cache
-def _chosen(device: torch.device, path: str, reason: str) -> str:
-    logger.info("fp8 linear layers on %s: %s path (%s)", device, path, reason)
+def _chosen(device: torch.device, kind: str, path: str, reason: str) -> str:
+    logger.info("%s linear layers on %s: %s path (%s)", kind, device, path, reason)
     return path

@@ -20,7 +20,6 @@ Parameters (the checkpoint's names under each layer's prefix):
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import cast
 
@@ -30,16 +29,16 @@ from torch import nn
 from tokenmill.layers import Linear, OutputShardLoader
 from tokenmill_quant_fp8.kernels import (
     FP8_DTYPE,
+    block_scales_per_row,
     choose_fp8_gemm,
     fp8_block_linear_reference,
+    fp8_block_linear_scaled_mm,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
     quantize_fp8,
     quantize_per_token,
     quantize_weight_per_channel,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class Fp8LinearMethod:
@@ -110,11 +109,12 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
 
 class Fp8BlockLinearMethod:
     """Block-wise FP8 (DeepSeek-V3, Qwen3-FP8): one scale per ``block`` of the weight,
-    activations quantized per token and per ``block[1]`` columns; the torch reference
-    multiplies (``_scaled_mm`` has no block-scaled form here)."""
+    activations quantized per token and per ``block[1]`` columns; one row-wise
+    ``_scaled_mm`` per column group where it runs, else the torch reference."""
 
     def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
+        self.gemm = "reference"  # chosen once the weights are on their device
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -130,19 +130,20 @@ class Fp8BlockLinearMethod:
                             weight_loader=functools.partial(_load_block_scales, shards, self.block))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        _chosen_block_path(cast(torch.Tensor, layer.weight).device)
+        weight = cast(torch.Tensor, layer.weight)
+        self.gemm = choose_fp8_gemm(weight.device, weight.shape[1], weight.shape[0], block_cols=self.block[1])
+        if self.gemm == "scaled_mm":
+            row_scales = block_scales_per_row(cast(torch.Tensor, layer.weight_scale_inv), self.block[0], weight.shape[0])
+            layer.register_buffer("block_row_scales", row_scales, persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        weight = cast(torch.Tensor, layer.weight)
-        out = fp8_block_linear_reference(x.reshape(-1, x.shape[-1]), weight, cast(torch.Tensor, layer.weight_scale_inv),
-                                         self.block, cast(torch.Tensor | None, layer.bias))
+        weight, bias = cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.gemm == "scaled_mm":
+            out = fp8_block_linear_scaled_mm(rows, weight, cast(torch.Tensor, layer.block_row_scales), self.block, bias)
+        else:
+            out = fp8_block_linear_reference(rows, weight, cast(torch.Tensor, layer.weight_scale_inv), self.block, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-@functools.cache
-def _chosen_block_path(device: torch.device) -> None:
-    logger.info("block-wise fp8 linear layers on %s: torch reference path "
-                                     "(torch._scaled_mm takes no block scales)", device)
 
 
 def _shard_rows(shards: OutputShardLoader, shard_id: int | None) -> tuple[int, int]:
