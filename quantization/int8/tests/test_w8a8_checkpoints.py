@@ -5,12 +5,11 @@ transformers generates on the dequantised weights.
 Tolerance: the weights are the dequantised ones exactly, but tokenmill also rounds
 each activation row to 255 levels (``max|x_row| / 127`` a step) before every matmul:
 an error of up to half a step per element, about 0.8% of the row's RMS for these
-64- and 128-wide rows (their maximum is 3-4 RMS), against e4m3's 1.8% (see
+64- and 128-wide rows (their maximum is 3-4 RMS), against e4m3's 2.7% (see
 quantization/fp8/tests/test_fp8_checkpoints.py, whose 0.35 nat bound on a
-chosen-token logprob this scales: 0.35 * 0.8 / 1.8 = 0.16, hence 0.15; the tiny
-Llama measured 0.044 on another batch of 8 prompts, all 128 positions matching). Tokens whose top two logits lie
-closer than that may flip, hence 95% of positions, counted by teacher forcing
-(tests/quant_agreement.py).
+chosen-token logprob this scales: 0.35 * 0.8 / 2.7 = 0.10; measured: 0.036, 127 of
+128 positions matching). Tokens whose top two logits lie closer than that may flip,
+hence 95% of positions, counted by teacher forcing (tests/quant_agreement.py).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from w8a8_models import build_w8a8_pair
 from tokenmill import LLM
 
 MAX_NEW = 16
-LOGPROB_TOLERANCE = 0.15
+LOGPROB_TOLERANCE = 0.10
 
 
 def _prompts(count: int = 8, seed: int = 7) -> list[list[int]]:
