@@ -134,3 +134,18 @@ def test_block_scales_of_the_wrong_shape_and_blocks_that_split_a_shard_are_refus
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not whole blocks"):
         LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"activation_scheme": "per-batch"}, "activation_scheme 'per-batch' is not one of dynamic, static"),
+    ({"weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+    ({"weight_block_size": [32, 32], "activation_scheme": "static"}, "block-wise weights .* need activation_scheme"),
+])
+def test_a_config_the_method_cannot_follow_is_refused_by_field(float_llama, tmp_path, change, message):
+    quantized = tmp_path / "fp8"
+    build_fp8_pair(float_llama, quantized, tmp_path / "ref", "per-tensor")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
