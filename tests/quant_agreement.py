@@ -76,3 +76,16 @@ def rewrite_checkpoint(source: Path, target: Path, edit: Callable[[dict[str, tor
     edit(tensors)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+def weight_storage(llm: object) -> tuple[dict[str, torch.dtype], int]:
+    """The loaded model's linear-layer weight dtypes by layer prefix, and the bytes of all its
+    parameters (read from the in-process worker through ``collective_rpc``)."""
+
+    def look(worker: object) -> tuple[dict[str, torch.dtype], int]:
+        model = worker.runner.model  # type: ignore[attr-defined]
+        dtypes = {module.prefix: module.weight.dtype for module in model.modules()
+                  if hasattr(module, "quant_method") and isinstance(getattr(module, "weight", None), torch.Tensor)}
+        return dtypes, sum(p.numel() * p.element_size() for p in model.parameters())
+
+    return llm.engine.core.executor.collective_rpc(look)[0]  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_models import SCHEMES, build_fp8_pair, static_input_rounding
-from quant_agreement import agreement_with_transformers, greedy_with_logprobs, rewrite_checkpoint
+from quant_agreement import agreement_with_transformers, greedy_with_logprobs, rewrite_checkpoint, weight_storage
 from safetensors import safe_open
 from tiny_models import build_model
 
@@ -149,3 +149,25 @@ def test_a_config_the_method_cannot_follow_is_refused_by_field(float_llama, tmp_
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(quantized), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def _assert_decoder_weights_take_one_byte(llm: LLM, float_llama: Path) -> None:
+    dtypes, total = weight_storage(llm)
+    _, float_total = weight_storage(LLM(str(float_llama), dtype="float32", max_model_len=64, kv_cache_memory="8MiB"))
+    assert {dtype for prefix, dtype in dtypes.items() if prefix != "lm_head"} == {torch.float8_e4m3fn}, dtypes
+    assert dtypes["lm_head"] == torch.float32
+    rows = 64 + 32 + 32 + 64 + 128 + 128 + 64  # q, k, v, o, gate, up, down of the tiny Llama (hidden 64, MLP 128)
+    decoder = 2 * (64 * (rows - 64) + 128 * 64)  # weight elements in its 2 layers (down_proj is 64 x 128)
+    scales = 2 * rows * 4 + 64  # at most one float32 per row, and the static input scales
+    assert float_total - total >= 3 * decoder - scales  # 4 bytes became 1, no float copy kept
+
+
+def test_a_checkpoints_decoder_weights_are_held_in_one_byte(fp8_pair, float_llama):
+    quantized, _, _ = fp8_pair
+    _assert_decoder_weights_take_one_byte(LLM(str(quantized), dtype="float32", max_model_len=64,
+                                              kv_cache_memory="8MiB"), float_llama)
+
+
+def test_online_fp8_keeps_no_float_copy(float_llama):
+    _assert_decoder_weights_take_one_byte(LLM(str(float_llama), dtype="float32", max_model_len=64,
+                                              kv_cache_memory="8MiB", quantization="fp8"), float_llama)

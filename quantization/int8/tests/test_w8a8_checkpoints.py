@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_agreement import agreement_with_transformers, greedy_with_logprobs, rewrite_checkpoint
+from quant_agreement import agreement_with_transformers, greedy_with_logprobs, rewrite_checkpoint, weight_storage
 from safetensors import safe_open
 from tiny_models import build_model
 from w8a8_models import build_w8a8_pair
@@ -118,3 +118,17 @@ def test_a_scheme_other_than_w8a8_is_refused_by_name(w8a8_pair, tmp_path, path, 
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(bad), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "online"])
+def test_decoder_weights_are_held_in_one_byte(w8a8_pair, float_llama, source):
+    options: dict[str, object] = dict(dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+    llm = LLM(str(w8a8_pair[0]), **options) if source == "checkpoint" else \
+        LLM(str(float_llama), quantization="int8", **options)
+    dtypes, total = weight_storage(llm)
+    _, float_total = weight_storage(LLM(str(float_llama), **options))
+    assert {dtype for prefix, dtype in dtypes.items() if prefix != "lm_head"} == {torch.int8}, dtypes
+    assert dtypes["lm_head"] == torch.float32
+    rows = 64 + 32 + 32 + 64 + 128 + 128 + 64  # q, k, v, o, gate, up, down of the tiny Llama (hidden 64, MLP 128)
+    decoder = 2 * (64 * (rows - 64) + 128 * 64)  # weight elements in its 2 layers (down_proj is 64 x 128)
+    assert float_total - total == 3 * decoder - 2 * rows * 4  # 4 bytes became 1, plus a float32 scale a row
