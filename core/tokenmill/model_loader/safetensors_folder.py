@@ -33,7 +33,13 @@ def iterate_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield name, tensor.to(dtype) if _is_float_to_cast(tensor) else tensor
+
+
+def _is_float_to_cast(tensor: torch.Tensor) -> bool:
+    """Float tensors take the model's dtype; 8-bit floats (an FP8 checkpoint's quantized
+    weights) are quantized data that the quantization method reads as stored."""
+    return tensor.is_floating_point() and tensor.element_size() > 1
 
 
 def load_safetensors_folder(folder: Path, dtype: torch.dtype, tokenizer: str | None = None) -> Checkpoint:

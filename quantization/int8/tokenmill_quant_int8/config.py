@@ -1,0 +1,83 @@
+"""The ``int8`` (W8A8) quantization config, read from a compressed-tensors ``quantization_config``.
+
+A compressed-tensors config (``quant_method: "compressed-tensors"``) lists
+``config_groups``, each with ``targets`` and the ``weights`` / ``input_activations``
+quantization arguments, a ``format`` and an ``ignore`` list (module names, or
+``re:``-prefixed regular expressions). This method takes the INT8 W8A8 scheme only:
+one group targeting ``Linear``, ``format: "int-quantized"``, 8-bit symmetric int
+weights per channel (static) and 8-bit symmetric int activations per token
+(dynamic). Anything else is refused by name, so a checkpoint never runs with a
+scheme that is not the one it was quantized with. ``quant_method: "int8_w8a8"``
+takes the same fields. No ``quantization_config`` (``LLM(..., quantization="int8")``
+on a float checkpoint): every linear layer but the lm_head is quantized at load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar, Self
+
+from torch import nn
+
+from tokenmill.layers import QuantizationConfig
+from tokenmill_quant_int8.method import Int8OnlineLinearMethod, Int8W8A8LinearMethod
+
+SUPPORTED_FORMAT = "int-quantized"
+WEIGHTS = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
+ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+
+
+class Int8W8A8Config(QuantizationConfig):
+    name: ClassVar[str] = "int8"
+
+    def __init__(self, serialized: bool, ignore: Sequence[str] = ()) -> None:
+        self.serialized = serialized
+        self.ignore = tuple(ignore)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Self:
+        if "quant_method" not in config:
+            return cls(serialized=False)
+        check_w8a8_scheme(config)
+        return cls(serialized=True, ignore=config.get("ignore") or ())
+
+    def is_ignored(self, prefix: str) -> bool:
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], prefix):
+                    return True
+            elif prefix == entry or prefix.startswith(entry + "."):
+                return True
+        return False
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> Int8W8A8LinearMethod | None:
+        if not self.serialized:
+            # The logits are where rounding shows most and the lm_head is one layer of many: keep it float.
+            return None if prefix.split(".")[-1] == "lm_head" else Int8OnlineLinearMethod()
+        return None if self.is_ignored(prefix) else Int8W8A8LinearMethod()
+
+
+def check_w8a8_scheme(config: dict[str, Any]) -> None:
+    """Refuse, naming the field, any compressed-tensors config that is not INT8 W8A8."""
+    method = config.get("quant_method")
+    fmt = config.get("format", SUPPORTED_FORMAT)
+    if fmt != SUPPORTED_FORMAT:
+        raise ValueError(f"{method} checkpoint in format {fmt!r}: the int8 W8A8 method reads {SUPPORTED_FORMAT!r} only")
+    groups = config.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{method} checkpoint with {len(groups)} config groups: the int8 W8A8 method takes exactly one")
+    (group_name, group), = groups.items()
+    if "Linear" not in (group.get("targets") or ()):
+        raise ValueError(f"{method} config group {group_name!r} targets {group.get('targets')}, not Linear layers")
+    for field, expected in (("weights", WEIGHTS), ("input_activations", ACTIVATIONS)):
+        args = group.get(field)
+        if args is None:
+            raise ValueError(f"{method} config group {group_name!r} has no {field}: not a W8A8 scheme")
+        for key, value in expected.items():
+            if args.get(key) != value:
+                raise ValueError(f"{method} config group {group_name!r}: {field}.{key} is {args.get(key)!r}; the "
+                                 f"int8 W8A8 method takes {value!r} ({', '.join(f'{k}={v}' for k, v in expected.items())})")
+        if args.get("group_size") is not None:
+            raise ValueError(f"{method} config group {group_name!r}: {field}.group_size {args['group_size']} "
+                             "(grouped int8 is not this method)")

@@ -1,0 +1,96 @@
+"""INT8 W8A8: symmetric quantization and the int8 matmul, ``torch._int_mm`` and its reference.
+
+Activations are quantized per token (``scale = max|x_row| / 127``), weights per
+output channel; ``x @ W.T`` is then ``(xq @ wq.T) * x_scale * w_scale``, the integer
+product accumulated exactly in int32 by ``torch._int_mm``. The torch reference
+computes the same integer product in float64 (exact: every partial sum is an
+integer far below 2**53), so the two agree to the last bit before scaling.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+INT8_MAX = 127  # symmetric: -128 is never used, so negation cannot overflow
+_MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``round(x / scale)`` saturated to [-127, 127]."""
+    return torch.round(x.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization of a 2-d ``x``: ``(int8 [M, K], float32 scales [M, 1])``."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / INT8_MAX
+    return quantize_int8(x, scale), scale
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 [N, K], float32 scales [N])``."""
+    scale = weight.abs().amax(dim=1).float().clamp(min=_MIN_SCALE) / INT8_MAX
+    return quantize_int8(weight, scale[:, None]), scale
+
+
+def int8_matmul_reference(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``xq @ weight.T`` as int32, computed in float64."""
+    return (xq.double() @ weight.double().t()).to(torch.int32)
+
+
+def int8_matmul_int_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``xq @ weight.T`` as int32 through ``torch._int_mm`` (``weight.t()`` is the
+    column-major ``[K, N]`` view of the row-major ``[N, K]`` weight)."""
+    return torch._int_mm(xq, weight.t())
+
+
+def scale_output(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The int32 product back to real units: ``acc * x_scale * weight_scale (+ bias)``."""
+    out = acc.float() * x_scale * weight_scale.float()[None, :]
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+@functools.cache
+def int_mm_runs_on(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` runs on ``device`` at all (tried once on a small product)."""
+    try:
+        a = torch.zeros(32, 32, device=device, dtype=torch.int8)
+        int8_matmul_int_mm(a, a)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def int_mm_takes(device: torch.device, m: int, k: int, n: int) -> bool:
+    """Whether ``torch._int_mm`` takes an ``[m, k] x [k, n]`` product on ``device``. CUDA's
+    wants ``m > 16`` and ``k``, ``n`` multiples of 8; the CPU's takes any shape."""
+    if not int_mm_runs_on(device):
+        return False
+    return device.type != "cuda" or cuda_int_mm_takes(m, k, n)
+
+
+def cuda_int_mm_takes(m: int, k: int, n: int) -> bool:
+    """CUDA's ``torch._int_mm`` shape rule (cuBLASLt int8 GEMM)."""
+    return m > 16 and k % 8 == 0 and n % 8 == 0
+
+
+def int8_matmul(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``xq @ weight.T`` in int32 by ``torch._int_mm`` where it takes the shape, else the
+    reference; each (device, path) choice logged once."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if int_mm_takes(xq.device, m, k, n):
+        _chosen(xq.device, "torch._int_mm")
+        return int8_matmul_int_mm(xq, weight)
+    _chosen(xq.device, "torch reference (torch._int_mm refuses the shape)")
+    return int8_matmul_reference(xq, weight)
+
+
+@functools.cache
+def _chosen(device: torch.device, path: str) -> None:
+    logger.info("int8 W8A8 linear layers on %s: %s", device, path)
