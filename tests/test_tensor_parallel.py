@@ -24,7 +24,7 @@ from worker_probe import worker_pids
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.multiproc import WorkerFailure
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
-from tokenmill.layers import Linear, MergedLinear, ModelBuildContext, VocabEmbedding, load_weight
+from tokenmill.layers import Linear, MergedLinear, ModelBuildContext, ParallelLMHead, VocabEmbedding, load_weight
 
 MAX_NEW = 10
 
@@ -96,6 +96,21 @@ def test_vocab_parallel_embedding_pads_the_last_rank_and_looks_up_each_id_once()
     assert torch.equal(lookups[0] + lookups[1], table[ids])
 
 
+def test_parallel_lm_head_slices_concatenate_to_the_whole_logits():
+    torch.manual_seed(3)
+    weight, hidden = torch.randn(7, 3), torch.randn(2, 3)
+    slices = []
+    for ctx in _contexts():
+        head = ParallelLMHead(3, 7, ctx=ctx)
+        load_weight(head.weight, weight)
+        assert head.weight.shape == (4, 3)
+        slices.append(head.quant_method.apply(head, hidden))  # this rank's slice, before the all-gather
+    whole = ParallelLMHead(3, 7, ctx=ModelBuildContext(hf_config=None, params_dtype=torch.float32))
+    load_weight(whole.weight, weight)
+    torch.testing.assert_close(torch.cat(slices, dim=-1)[:, :7], whole(hidden), rtol=0, atol=1e-6)
+    assert torch.equal(torch.cat(slices, dim=-1)[:, 7], torch.zeros(2))  # the padding row
+
+
 def test_one_rank_layers_are_the_unsplit_layers():
     """A parallel layer built for a group of one is today's layer: same shapes, same loader slices."""
     ctx = ModelBuildContext(hf_config=None, params_dtype=torch.float32)
@@ -132,12 +147,23 @@ def _prompts(seed: int, count: int = 8, shared_prefix: int = 0) -> list[list[int
     return [prefix + [rng.randrange(3, 380) for _ in range(n)] for n in lengths]
 
 
-def _greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(prompt_logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1,
+                          prompt_logprobs=prompt_logprobs)
 
 
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())]
+def _generate(llm: LLM, prompts: list[list[int]], prompt_logprobs: int | None = None,
+              ) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    """Greedy tokens; the token ids of every step's (and prompt position's) logprob entries;
+    their logprobs, flattened."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(prompt_logprobs))
+    entry_tokens, logprobs = [], []
+    for out in outputs:
+        for step in [*out.outputs[0].logprobs, *(out.prompt_logprobs or [None])[1:]]:
+            entries = sorted(step.items())
+            entry_tokens.append([token for token, _ in entries])
+            logprobs += [entry.logprob for _, entry in entries]
+    return [list(out.outputs[0].token_ids) for out in outputs], entry_tokens, logprobs
 
 
 # chunks of 16 tokens, prefix caching, and 10 blocks of 16 tokens for 8 prompts of up to 84:
@@ -146,17 +172,27 @@ STRESS = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, ena
               num_kv_blocks=10)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-one-kv-head"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-one-kv-head", "llama-tied-llama3rope"])
 def test_two_ranks_match_one_rank_and_transformers(arch, model_factory):
+    """Greedy tokens equal transformers' and one rank's; the logprobs (sampled ones, then
+    prompt ones too: rank 0 computes both through the gathered lm_head) equal one rank's."""
     path = model_factory(arch)
     prompts = _prompts(3, shared_prefix=24)
     expected = [tokens for tokens, _ in hf_greedy(path, prompts, MAX_NEW)]
-    assert _tokens(LLM(str(path), **STRESS), prompts) == expected
+    one_rank_llm = LLM(str(path), **STRESS)
+    one_rank = _generate(one_rank_llm, prompts)
+    assert one_rank[0] == expected
     llm = LLM(str(path), tensor_parallel_size=2, **STRESS)
     assert llm.engine.config.distributed_executor_backend == "mp"
-    assert _tokens(llm, prompts) == expected
+    tokens, entry_tokens, logprobs = _generate(llm, prompts)
+    assert tokens == expected and entry_tokens == one_rank[1]
+    assert logprobs == pytest.approx(one_rank[2], abs=1e-4)
     stats = llm.engine.scheduler_stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    with_prompt = _generate(llm, prompts[:3], prompt_logprobs=2)
+    one_rank_with_prompt = _generate(one_rank_llm, prompts[:3], prompt_logprobs=2)
+    assert with_prompt[:2] == one_rank_with_prompt[:2]
+    assert with_prompt[2] == pytest.approx(one_rank_with_prompt[2], abs=1e-4)
     pids = worker_pids(llm)
     assert len(set(pids)) == 2 and os.getpid() not in pids
     llm.engine.shutdown()

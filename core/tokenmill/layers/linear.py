@@ -120,8 +120,7 @@ class OutputShardLoader:
         if parts > 1 and out_dim is not None:
             if shard_id is None and len(self.partition_sizes) > 1:
                 raise ValueError(f"{self.prefix}: a merged layer split over ranks loads shard by shard")
-            size = loaded.shape[out_dim] // parts
-            loaded = loaded.narrow(out_dim, self.rank * parts // self.world_size * size, size)
+            loaded = _output_part(loaded, out_dim, self.rank * parts // self.world_size, parts)
         if self.input_split and in_dim is not None:
             size = loaded.shape[in_dim] // self.world_size
             loaded = loaded.narrow(in_dim, self.rank * size, size)
@@ -247,3 +246,18 @@ def _shard_parts(prefix: str, sizes: list[int], world_size: int, shard_parts: Se
             raise ValueError(f"{prefix}: an output shard of {size} features does not split into {n} parts "
                              f"over {world_size} ranks")
     return parts
+
+
+def _output_part(loaded: torch.Tensor, dim: int, part: int, parts: int) -> torch.Tensor:
+    """Part ``part`` of ``parts`` equal parts of ``loaded`` along ``dim``. A tensor whose size
+    does not divide (a vocabulary over ranks) is cut in parts of the rounded-up size, the
+    last one padded with zeros."""
+    total = loaded.shape[dim]
+    size = -(-total // parts)
+    start = min(part * size, total)
+    piece = loaded.narrow(dim, start, min(size, total - start))
+    if piece.shape[dim] == size:
+        return piece
+    padding = list(piece.shape)
+    padding[dim] = size - piece.shape[dim]
+    return torch.cat([piece, piece.new_zeros(padding)], dim=dim)

@@ -138,6 +138,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         graph_capture=_graph_capture(config, platform, backend, comm),
         max_graph_batch_size=config.max_graph_batch_size,
         samples=samples,
+        mirrors_logits=comm.world_size > 1,
     )
 
 

@@ -6,7 +6,7 @@ q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
 checkpoint's separate tensors into their shards. Under tensor parallelism (the build
 context's ``world_size``) q/k/v and gate/up are column-parallel (heads and the MLP's
 columns divided among the ranks; K/V heads replicated when fewer than the ranks),
-o_proj and down_proj row-parallel, and an untied embedding vocabulary-parallel. Every module is built from the
+o_proj and down_proj row-parallel, the embedding and the lm_head split by vocabulary. Every module is built from the
 model's build context, so each linear layer knows its checkpoint prefix
 (``model.layers.3.self_attn.qkv_proj``) and takes its method from the quant config.
 """
@@ -25,6 +25,7 @@ from tokenmill.layers import (
     Linear,
     MergedLinear,
     ModelBuildContext,
+    ParallelLMHead,
     RMSNorm,
     UnquantizedLinearMethod,
     VocabEmbedding,
@@ -140,11 +141,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, ctx: ModelBuildContext, flags: dict[str, bool]) -> None:
         super().__init__()
-        # A tied lm_head multiplies by the whole table (only rank 0 computes logits), so a
-        # tied table is not split over the ranks.
-        tied = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"),
-                                           parallel=not tied)
+                                           parallel=True)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -181,10 +179,11 @@ class LlamaForCausalLM(nn.Module):
         }
         self.model = LlamaModel(config, ctx.child("model"), flags)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A tied lm_head multiplies by the embedding table itself, so it stays float. The lm_head
-        # is whole on every rank: only rank 0 computes logits (rank-0-only sampling).
+        # A tied lm_head multiplies by the embedding table itself (the same rows of it on
+        # each rank), so it stays float.
         tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"), quant_method=tied_method)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
+                                      quant_method=tied_method)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
