@@ -229,3 +229,32 @@ def test_a_killed_worker_fails_the_engine_quickly_and_leaves_no_process(llama_pa
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+ENGINE_THEN_SIGKILL = """
+import os, signal, sys, threading
+from tokenmill import LLM, SamplingParams
+from worker_probe import worker_pids
+
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory="32MiB", tensor_parallel_size=2)
+print(*worker_pids(llm), flush=True)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 16, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+"""
+
+
+def test_a_killed_engine_leaves_no_worker_behind(llama_path):
+    """The engine's process SIGKILLed mid-generation (no atexit, no finalizer): its ranks exit
+    on their own once their pipe to it is closed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ENGINE_THEN_SIGKILL, str(llama_path)], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)

@@ -12,8 +12,8 @@ Failure, not hangs: the parent waits on each pipe in short polls and checks betw
 them that every rank is alive, so a rank that dies (or raises: the others may then
 wait forever in a collective) makes the call raise :class:`WorkerFailure` naming it,
 and every rank is torn down. No rank outlives the engine: they are daemon processes
-(terminated when the parent exits), the executor's finalizer terminates them, and
-on Linux each asks the kernel to kill it when its parent dies (a SIGKILLed engine).
+(terminated when the parent exits), the executor's finalizer terminates them, and a
+rank whose engine vanished (a SIGKILLed engine) sees its pipe close and exits.
 """
 
 from __future__ import annotations
@@ -162,7 +162,6 @@ def stop_processes(processes: list[BaseProcess], pipes: list[Connection]) -> Non
 
 def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection) -> None:
     """A worker process: join the group, build the worker, answer calls until told to stop."""
-    _die_with_parent()
     import torch.distributed as dist
 
     from tokenmill.worker.worker import Worker
@@ -190,14 +189,3 @@ def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection) -> N
         pipe.send(reply)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
-
-
-def _die_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this process when its parent dies (best effort)."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
