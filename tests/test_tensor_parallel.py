@@ -140,6 +140,20 @@ def test_a_bad_tensor_parallel_size_fails_before_any_worker_starts(llama_path):
             distributed_executor_backend="uni")
 
 
+def test_more_ranks_than_gpus_is_an_error_before_any_worker_starts(llama_path):
+    from tokenmill.config import EngineConfig
+    from tokenmill.executor.multiproc import MultiprocExecutor
+    from tokenmill.worker.spec import WorkerSpec
+    from tokenmill_platform_cuda.platform import CudaPlatform
+
+    platform = CudaPlatform()
+    config = EngineConfig(model=str(llama_path), tensor_parallel_size=platform.device_count() + 1)
+    spec = WorkerSpec(str(llama_path), config, "float32", 128, (), world_size=config.tensor_parallel_size)
+    with pytest.raises(ValueError, match=rf"needs a device per rank; the cuda platform has {platform.device_count()}"):
+        MultiprocExecutor(spec, platform=platform)
+    assert multiprocessing.active_children() == []
+
+
 def _prompts(seed: int, count: int = 8, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 380) for _ in range(shared_prefix)]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tokenmill.executor.base import Executor, failed
-from tokenmill.platform import Platform
+from tokenmill.platform import Platform, platform_device_count
 from tokenmill.worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class MultiprocExecutor(Executor):
     def __init__(self, spec: WorkerSpec, platform: Platform | None = None, **worker_args: Any) -> None:
         world_size = spec.config.tensor_parallel_size
         super().__init__(spec)
+        devices = platform_device_count(platform) if platform is not None else None
+        if devices is not None and devices < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} needs a device per rank; the "
+                             f"{getattr(platform, 'name', 'platform')} platform has {devices}")
         backend = platform.dist_backend if platform is not None else "gloo"
         threads = rank_threads(spec, world_size)
         config = spec.config.model_copy(update={"num_threads": threads})
@@ -162,10 +166,14 @@ def stop_processes(processes: list[BaseProcess], pipes: list[Connection]) -> Non
 
 def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection) -> None:
     """A worker process: join the group, build the worker, answer calls until told to stop."""
+    import os
+
     import torch.distributed as dist
 
     from tokenmill.worker.worker import Worker
 
+    # torchrun's convention: what a platform with a device per rank picks its device by
+    os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size))
     try:
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=spec.rank,
                                 world_size=spec.world_size)
