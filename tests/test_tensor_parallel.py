@@ -245,6 +245,38 @@ def test_a_killed_worker_fails_the_engine_quickly_and_leaves_no_process(llama_pa
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_a_killed_worker_stops_the_async_engine_and_fails_its_requests(llama_path):
+    """What /health reads: the engine loop is dead, with the rank's death as its reason, and
+    every stream in flight ends with that error, within seconds."""
+    import asyncio
+
+    from tokenmill import AsyncLLM
+    from tokenmill.errors import EngineDeadError
+
+    engine = AsyncLLM(str(llama_path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                      tensor_parallel_size=2)
+    try:
+        pids = worker_pids(engine)
+        params = SamplingParams(temperature=0.0, max_tokens=190, ignore_eos=True)
+
+        async def one(prompt: list[int]) -> None:
+            async for _ in engine.generate({"prompt_token_ids": prompt}, params):
+                pass
+
+        async def run() -> list[BaseException | None]:
+            tasks = [asyncio.ensure_future(one(p)) for p in _prompts(5)]
+            await asyncio.sleep(0.3)
+            os.kill(pids[1], signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+
+        results = asyncio.run(run())
+        assert all(isinstance(r, EngineDeadError) and "worker rank 1" in str(r) for r in results), results
+        assert not engine.is_running and "worker rank 1" in (engine.dead_reason or "")
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        engine.shutdown()
+
+
 ENGINE_THEN_SIGKILL = """
 import os, signal, sys, threading
 from tokenmill import LLM, SamplingParams

@@ -36,7 +36,7 @@ def _runner(worker: Any) -> Any:
 
 
 def worker_pids(llm: Any) -> list[int]:
-    """The process id of every worker, in rank order."""
+    """The process id of every worker, in rank order (of an ``LLM`` or an ``AsyncLLM``)."""
     return llm.engine.core.executor.collective_rpc(_pid)
 
 

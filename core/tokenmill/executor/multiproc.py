@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import socket
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from tokenmill.worker.spec import WorkerSpec
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1  # how often a waiting call checks that every rank is alive
+DEATH_GRACE_SECONDS = 1.0  # how long a rank's error waits for a peer to show as dead (the cause)
 STOP_SECONDS = 5.0  # how long a rank may take to exit on shutdown before it is killed
 
 
@@ -111,15 +113,23 @@ class MultiprocExecutor(Executor):
                 self._check_alive()
                 self._fail(f"worker rank {rank} closed its pipe")
             if status == "error":
-                self._check_alive()  # a rank that died explains the others' failed collectives best
+                # A rank that died explains the others' failed collectives best; its peers see
+                # its sockets close a moment before it can be reaped, so give it that moment.
+                self._check_alive(grace=DEATH_GRACE_SECONDS)
                 self._fail(f"worker rank {rank} raised:\n{value}")
             results.append(value)
         return results
 
-    def _check_alive(self) -> None:
-        for rank, process in enumerate(self.processes):
-            if not process.is_alive():
-                self._fail(f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+    def _check_alive(self, grace: float = 0.0) -> None:
+        """Fail naming the first rank that is dead, waiting up to ``grace`` seconds for one to be."""
+        deadline = time.monotonic() + grace
+        while True:
+            for rank, process in enumerate(self.processes):
+                if not process.is_alive():
+                    self._fail(f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(POLL_SECONDS / 10)
 
     def _fail(self, message: str) -> None:
         self.failure = message
