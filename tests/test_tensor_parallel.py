@@ -186,7 +186,7 @@ STRESS = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, ena
               num_kv_blocks=10)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-one-kv-head", "llama-tied-llama3rope"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-one-kv-head", "llama-tied-llama3rope"])
 def test_two_ranks_match_one_rank_and_transformers(arch, model_factory):
     """Greedy tokens equal transformers' and one rank's; the logprobs (sampled ones, then
     prompt ones too: rank 0 computes both through the gathered lm_head) equal one rank's."""
