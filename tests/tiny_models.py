@@ -76,6 +76,7 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "llama-one-kv-head": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1}),
 }
 
 

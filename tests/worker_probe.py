@@ -33,3 +33,14 @@ def runner(llm: Any) -> Any:
 
 def _runner(worker: Any) -> Any:
     return worker.runner
+
+
+def worker_pids(llm: Any) -> list[int]:
+    """The process id of every worker, in rank order (of an ``LLM`` or an ``AsyncLLM``)."""
+    return llm.engine.core.executor.collective_rpc(_pid)
+
+
+def _pid(worker: Any) -> int:
+    import os
+
+    return os.getpid()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -83,9 +83,13 @@ class EngineConfig(BaseModel):
                               "can capture one", json_schema_extra=cli(_RUN))
     attention_backend: str | None = Field(None, description="Force an attention backend by name",
                                           json_schema_extra=cli(_RUN))
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model's layers are split over (tensor "
+                                                           "parallelism), one worker process each",
+                                      json_schema_extra=cli(_RUN))
     distributed_executor_backend: str = Field(
         "uni", description="Executor that runs the model's workers, by its registered name (see `tokenmill plugins`; "
-                           "default: uni, one worker in the engine's own process)", json_schema_extra=cli(_RUN))
+                          "default: uni, one worker in the engine's own process, or mp, one process per rank, "
+                          "when tensor_parallel_size > 1)", json_schema_extra=cli(_RUN))
     quantization: str | None = Field(
         None, description="Quantization method, by its registered name or checkpoint alias (see `tokenmill plugins`; "
                           "default: the one the checkpoint declares, in config.json's quantization_config or its "
@@ -104,6 +108,16 @@ class EngineConfig(BaseModel):
         description="Options plugins add (tokenmill_add_options), keyed '<plugin>.<name>'; checked against them "
                     "when the engine starts. On the command line each is its own option, --<plugin>.<name>",
         json_schema_extra=cli(_PLUGINS))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_executor(cls, data: Any) -> Any:
+        """Left unset, the executor is "uni" for one rank and "mp" (a process per rank) for more."""
+        if isinstance(data, dict) and data.get("distributed_executor_backend") is None:
+            data = {key: value for key, value in data.items() if key != "distributed_executor_backend"}
+            if int(data.get("tensor_parallel_size") or 1) > 1:
+                data["distributed_executor_backend"] = "mp"
+        return data
 
     @field_validator("plugin_options")
     @classmethod

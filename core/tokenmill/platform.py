@@ -81,6 +81,15 @@ class KVCachePrefault(Protocol):
     def kv_cache_prefault_bytes(self, config: EngineConfig) -> int: ...
 
 
+@runtime_checkable
+class DevicePerRank(Protocol):
+    """Each tensor-parallel rank needs a device of its own (a GPU): the ``mp`` executor
+    refuses more ranks than ``device_count()`` before it starts any. A rank's process
+    finds its device from ``LOCAL_RANK``, which the executor sets (torchrun's convention)."""
+
+    def device_count(self) -> int: ...
+
+
 class StepGraphUnsupported(Exception):
     """The platform cannot capture this forward (it names the reason); the step runs eagerly."""
 
@@ -123,6 +132,11 @@ def platform_kv_allocator(platform: Platform) -> KVCacheAllocator:
 
 def platform_kv_prefault_bytes(platform: Platform, config: EngineConfig) -> int:
     return platform.kv_cache_prefault_bytes(config) if isinstance(platform, KVCachePrefault) else 0
+
+
+def platform_device_count(platform: Platform) -> int | None:
+    """How many ranks the platform has devices for; None: no limit (the CPU's ranks share its cores)."""
+    return platform.device_count() if isinstance(platform, DevicePerRank) else None
 
 
 def platform_step_graph_capture(platform: Platform) -> StepGraphCapture | None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
         DeviceKVAllocator,
+        DevicePerRank,
         KVCacheAllocator,
         KVCachePrefault,
         Platform,
@@ -82,7 +83,7 @@ _LAZY = {
     "WorkerSpec": "tokenmill.worker.spec",
     "Worker": "tokenmill.worker.worker",
     **dict.fromkeys(["Checkpoint", "WeightsIterator"], "tokenmill.model_loader.checkpoint"),
-    **dict.fromkeys(["DeviceKVAllocator", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
+    **dict.fromkeys(["DeviceKVAllocator", "DevicePerRank", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
                      "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine"], "tokenmill.platform"),
     **dict.fromkeys(["PluginManager", "get_plugin_manager"], "tokenmill.plugins.manager"),
     **dict.fromkeys(["SamplingKernels", "register_sampling_kernels"], "tokenmill.sample.kernels"),
@@ -123,6 +124,7 @@ __all__ = [
     "parse_size",
     # platforms and their optional capabilities
     "DeviceKVAllocator",
+    "DevicePerRank",
     "KVCacheAllocator",
     "KVCachePrefault",
     "Platform",

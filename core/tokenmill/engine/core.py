@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
+from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
@@ -46,9 +47,11 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, self.checkpoint)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
+        check_tensor_parallel(self.checkpoint.hf_config, config.tensor_parallel_size)  # before any worker starts
         self.worker_spec = WorkerSpec(
             model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
-            max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins))
+            max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins),
+            world_size=config.tensor_parallel_size)
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
                                                   checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()

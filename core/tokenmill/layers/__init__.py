@@ -2,6 +2,7 @@
 
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.communicator import Communicator
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import (
     Linear,
@@ -13,6 +14,7 @@ from tokenmill.layers.linear import (
     default_weight_loader,
     load_weight,
 )
+from tokenmill.layers.lm_head import ParallelLMHead
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
 from tokenmill.layers.quantization import QuantizationConfig
@@ -20,6 +22,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_
 
 __all__ = [
     "Attention",
+    "Communicator",
     "LayerOps",
     "Linear",
     "LinearMethod",
@@ -27,6 +30,7 @@ __all__ = [
     "ModelBuildContext",
     "NativeLayerOps",
     "OutputShardLoader",
+    "ParallelLMHead",
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",

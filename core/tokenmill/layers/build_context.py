@@ -5,7 +5,8 @@ model class (``Model(hf_config, *, ctx)``); each module passes ``ctx.child(name)
 to the modules it creates, so every layer knows its checkpoint prefix
 (``model.layers.3.self_attn.qkv_proj``) and can ask the quantization config which
 linear method it gets. The parallel fields describe the tensor-parallel group the
-layers would shard over; this version always builds rank 0 of a group of one.
+layers shard over (``rank`` of ``world_size``); ``comm`` runs its collectives
+(a group of one: every collective is a no-op, and the layers are unsplit).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import nn
 
+from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.ops import LayerOps, layer_ops
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class ModelBuildContext:
     rank: int = 0
     world_size: int = 1
     process_group: Any = None
+    comm: Communicator = dataclasses.field(default=SINGLE_RANK, compare=False)
     params_dtype: torch.dtype = dataclasses.field(default_factory=torch.get_default_dtype)
     layer_ops: LayerOps = dataclasses.field(default_factory=lambda: layer_ops(torch.get_default_device()))
     shared: dict[Any, nn.Module] = dataclasses.field(default_factory=dict, repr=False, compare=False)

@@ -26,5 +26,6 @@ def tokenmill_register_structured_output_backends() -> dict[str, str]:
 
 @hookimpl
 def tokenmill_register_executors() -> dict[str, str]:
-    """The in-process executor: one worker in the engine's own process."""
-    return {"uni": "tokenmill.executor.uniproc:UniProcExecutor"}
+    """The in-process executor (one worker in the engine's own process) and the
+    multi-process one (a worker process per tensor-parallel rank)."""
+    return {"uni": "tokenmill.executor.uniproc:UniProcExecutor", "mp": "tokenmill.executor.multiproc:MultiprocExecutor"}

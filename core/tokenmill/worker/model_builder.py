@@ -10,6 +10,7 @@ from typing import cast
 import torch
 
 from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.linear import process_weights_after_loading
 from tokenmill.layers.ops import layer_ops
 from tokenmill.layers.quantization import QuantizationConfig
@@ -30,15 +31,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                progress: bool = False, *, quant_config: QuantizationConfig | None = None) -> CausalLM:
+                progress: bool = False, *, quant_config: QuantizationConfig | None = None,
+                comm: Communicator = SINGLE_RANK) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
     The model is built as ``model_cls(hf_config, ctx=ModelBuildContext(...))``
     (:class:`~tokenmill.worker.model_interface.CausalLMClass`), its linear layers
     taking their methods from ``quant_config``. Every parameter must come from the
-    checkpoint: a missing one is an error, not a silently random weight.
+    checkpoint: a missing one is an error, not a silently random weight. ``comm``: the
+    tensor-parallel group this rank builds its share of the model for (one rank: all of it).
     """
-    ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, params_dtype=dtype,
+    ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, rank=comm.rank,
+                            world_size=comm.world_size, process_group=comm.group, comm=comm, params_dtype=dtype,
                             layer_ops=layer_ops(device))
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(checkpoint.hf_config, ctx=ctx)

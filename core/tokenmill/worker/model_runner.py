@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,12 +43,15 @@ class ModelRunner:
     def __init__(self, model: CausalLM, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
-                 kv_allocator: KVCacheAllocator | None = None, samples: bool = True) -> None:
+                 kv_allocator: KVCacheAllocator | None = None, samples: bool = True,
+                 mirrors_logits: bool = False) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
         ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
         ``samples``: false on the ranks other than 0, which run the forward and return nothing;
-        they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``)."""
+        they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``).
+        ``mirrors_logits``: such a rank still computes the logits rank 0 computes (and drops
+        them), since a tensor-parallel lm_head gathers from every rank."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -55,6 +59,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.samples = samples
+        self.mirrors_logits = mirrors_logits
         self.kv_allocator = kv_allocator or DeviceKVAllocator(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, CachedRequestState] = {}
@@ -120,7 +125,11 @@ class ModelRunner:
         A rank that does not sample returns an empty one."""
         forward, self._forward_result = self._forward_result, None
         output = ModelRunnerOutput()
-        if forward is None or not self.samples:
+        if forward is None:
+            return output
+        if not self.samples:
+            if self.mirrors_logits:
+                self._mirror_logits(forward.inputs, forward.hidden)
             return output
         self._prompt_logprobs(forward.inputs, forward.hidden, output)
         self._pool(forward.inputs, forward.hidden, output)
@@ -274,22 +283,39 @@ class ModelRunner:
                 output.pooled[state.req_id] = vector.tolist()
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        for i in np.flatnonzero(self.batch.wants_prompt_logprobs[inputs.rows]):
-            state = self.batch.states[inputs.rows[i]]
-            wanted = state.sampling_params.prompt_logprobs
-            num_prompt = len(state.prompt_token_ids)
-            start = int(inputs.context_lens[i])
-            if wanted is None or start >= num_prompt:
-                continue
-            end = min(start + int(inputs.num_scheduled[i]), num_prompt - 1)
+        for i, state, start, end in self._prompt_logprob_chunks(inputs):
+            wanted = cast(int, state.sampling_params.prompt_logprobs)
             if end > start:
                 flat = int(inputs.query_start[i])
                 logits = self.model.compute_logits(hidden[flat : flat + end - start]).float()
                 next_ids = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
                 lists = compute_prompt_logprobs(logits, next_ids, wanted).tolists()
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
-            if start + int(inputs.num_scheduled[i]) >= num_prompt:
+            if start + int(inputs.num_scheduled[i]) >= len(state.prompt_token_ids):
                 output.prompt_logprobs[state.req_id] = state.prompt_logprobs
+
+    def _prompt_logprob_chunks(self, inputs: StepInputs) -> Iterator[tuple[int, CachedRequestState, int, int]]:
+        """``(row in the step, request, first, end)``: the prompt positions whose logprobs
+        this step computes, for each request that asked for prompt logprobs."""
+        for i in np.flatnonzero(self.batch.wants_prompt_logprobs[inputs.rows]):
+            state = self.batch.states[inputs.rows[i]]
+            num_prompt = len(state.prompt_token_ids)
+            start = int(inputs.context_lens[i])
+            if state.sampling_params.prompt_logprobs is None or start >= num_prompt:
+                continue
+            yield int(i), state, start, min(start + int(inputs.num_scheduled[i]), num_prompt - 1)
+
+    def _mirror_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """On a rank that does not sample, compute (and drop) the logits rank 0 computes, in
+        the same calls: a tensor-parallel lm_head gathers its slices from every rank."""
+        for i, _state, start, end in self._prompt_logprob_chunks(inputs):
+            if end > start:
+                flat = int(inputs.query_start[i])
+                self.model.compute_logits(hidden[flat : flat + end - start])
+        mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
+        if mask.any():
+            rows = torch.from_numpy(inputs.query_start[1:][mask] - 1).to(self.device)
+            self.model.compute_logits(hidden[rows])
 
 
 def _missing_tokens(state: CachedRequestState, num_computed: int, new_token_ids: list[int]) -> list[int]:

@@ -3,7 +3,10 @@
 Qwen2 adds a bias to the q/k/v projections; Qwen3 normalises each head of q
 and k; Mistral is Llama with a sliding window, which the config carries.
 q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
-checkpoint's separate tensors into their shards. Every module is built from the
+checkpoint's separate tensors into their shards. Under tensor parallelism (the build
+context's ``world_size``) q/k/v and gate/up are column-parallel (heads and the MLP's
+columns divided among the ranks; K/V heads replicated when fewer than the ranks),
+o_proj and down_proj row-parallel, the embedding and the lm_head split by vocabulary. Every module is built from the
 model's build context, so each linear layer knows its checkpoint prefix
 (``model.layers.3.self_attn.qkv_proj``) and takes its method from the quant config.
 """
@@ -22,6 +25,7 @@ from tokenmill.layers import (
     Linear,
     MergedLinear,
     ModelBuildContext,
+    ParallelLMHead,
     RMSNorm,
     UnquantizedLinearMethod,
     VocabEmbedding,
@@ -62,13 +66,19 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        tp = ctx.world_size
+        # Each rank takes num_heads / tp query heads and their K/V heads: a split of the K/V
+        # heads, or, with fewer K/V heads than ranks, one K/V head replicated on tp / kv ranks.
+        kv_parts = min(total_kv_heads, tp)
+        self.num_heads = total_heads // tp
+        self.num_kv_heads = total_kv_heads // kv_parts
         self.head_size = _head_size(config)
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q_size, kv_size = total_heads * self.head_size, total_kv_heads * self.head_size
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                                     ctx=ctx.child("qkv_proj"))
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"))
+                                     ctx=ctx.child("qkv_proj"), parallel="column", shard_parts=[tp, kv_parts, kv_parts])
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"), parallel="row")
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = get_rotary_embedding(ctx, self.head_size, config.max_position_embeddings)
@@ -92,8 +102,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                         ctx=ctx.child("gate_up_proj"))
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx.child("down_proj"))
+                                         ctx=ctx.child("gate_up_proj"), parallel="column")
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, ctx=ctx.child("down_proj"),
+                                parallel="row")
         self.is_silu = config.hidden_act == "silu"
         self.act = _ACTIVATIONS[config.hidden_act]
 
@@ -130,7 +141,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, ctx: ModelBuildContext, flags: dict[str, bool]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"),
+                                           parallel=True)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -167,9 +179,11 @@ class LlamaForCausalLM(nn.Module):
         }
         self.model = LlamaModel(config, ctx.child("model"), flags)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A tied lm_head multiplies by the embedding table itself, so it stays float.
+        # A tied lm_head multiplies by the embedding table itself (the same rows of it on
+        # each rank), so it stays float.
         tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"), quant_method=tied_method)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
+                                      quant_method=tied_method)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -3,6 +3,8 @@ cache sized from free device memory times ``gpu_memory_utilization``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.plugin_api import EngineConfig
@@ -13,8 +15,13 @@ class CudaPlatform:
     device_type = "cuda"
     dist_backend = "nccl"
 
-    def __init__(self, device_index: int = 0) -> None:
-        self.device_index = device_index
+    def __init__(self, device_index: int | None = None) -> None:
+        # a tensor-parallel rank's process is told its device by LOCAL_RANK (set by the mp executor)
+        self.device_index = int(os.environ.get("LOCAL_RANK", 0)) if device_index is None else device_index
+
+    def device_count(self) -> int:
+        """One rank per GPU (NCCL runs no two ranks on one device)."""
+        return torch.cuda.device_count()
 
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)

@@ -1,0 +1,40 @@
+"""Collectives over one tensor-parallel group, as the parallel layers need them.
+
+A :class:`Communicator` wraps a ``torch.distributed`` process group (gloo on the
+CPU, NCCL on CUDA: the platform's ``dist_backend``). With ``world_size == 1`` every
+call returns its input unchanged and touches no process group, so a model built for
+one rank runs exactly as it did before tensor parallelism existed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator:
+    """All-reduce (sum) and all-gather over ``group`` (None: the default group)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (in place; returned for chaining)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (the ranks' shapes must agree)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+SINGLE_RANK = Communicator()
