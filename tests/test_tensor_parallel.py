@@ -14,6 +14,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -295,8 +296,10 @@ def test_a_killed_engine_leaves_no_worker_behind(llama_path):
     import subprocess
     import sys
 
+    tests = str(Path(__file__).parent)  # where worker_probe is; pytest's pythonpath does not reach a child
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", ENGINE_THEN_SIGKILL, str(llama_path)], capture_output=True,
-                          text=True, timeout=300, check=False)
+                          text=True, timeout=300, check=False, env=env)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
