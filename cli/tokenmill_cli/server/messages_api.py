@@ -104,8 +104,15 @@ def _message(answer: Response) -> str:
 
 router = APIRouter(tags=["messages"], route_class=AnthropicErrorsRoute)
 
+_CREATED: dict[int | str, dict[str, Any]] = {
+    **MESSAGES_ERROR_RESPONSES,
+    200: {"description": "the message; with stream: server-sent events (an `event:` line with each event's type, "
+                         "`data:` its JSON), from message_start to message_stop",
+          "content": {"text/event-stream": {}}},
+}
 
-@router.post("/v1/messages", response_model=MessageObject, responses=MESSAGES_ERROR_RESPONSES,
+
+@router.post("/v1/messages", response_model=MessageObject, responses=_CREATED,
              dependencies=[Depends(check_admitting)])
 async def create_message(body: MessagesRequest, request: Request, state: State) -> Response:
     return await until_disconnected(request, _serve(body, state, request))
