@@ -191,8 +191,12 @@ def output_error(output: RequestOutput) -> APIError | None:
 
 
 # For the OpenAPI schema: what a route that can stream answers with (``"stream": true``).
-STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **ERROR_RESPONSES,
-    200: {"description": "the response; with stream: server-sent events, each `data:` a chunk, then `data: [DONE]`",
-          "content": {"text/event-stream": {}}},  # events: the response's chunks, an error body, then [DONE]
-}
+def streaming_responses(errors: dict[int | str, dict[str, Any]], events: str) -> dict[int | str, dict[str, Any]]:
+    """A route's documented answers when it can stream: ``errors``, and a 200 that is JSON or,
+    with ``stream``, server-sent ``events`` (a description of them)."""
+    return {**errors, 200: {"description": f"the response; with stream: server-sent events, {events}",
+                            "content": {"text/event-stream": {}}}}
+
+
+# chat and completions: the response's chunks (an error body in-band), then [DONE]
+STREAMING_RESPONSES = streaming_responses(ERROR_RESPONSES, "each `data:` a chunk, then `data: [DONE]`")

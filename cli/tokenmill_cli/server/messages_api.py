@@ -25,7 +25,7 @@ from starlette.responses import Response
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_cli.server.chat import chat_prompt_ids, generate_chat
-from tokenmill_cli.server.errors import APIError, exception_body, output_error
+from tokenmill_cli.server.errors import APIError, exception_body, output_error, streaming_responses
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.messages_events import BlockEvents, error_event
 from tokenmill_cli.server.messages_input import (
@@ -104,12 +104,8 @@ def _message(answer: Response) -> str:
 
 router = APIRouter(tags=["messages"], route_class=AnthropicErrorsRoute)
 
-_CREATED: dict[int | str, dict[str, Any]] = {
-    **MESSAGES_ERROR_RESPONSES,
-    200: {"description": "the message; with stream: server-sent events (an `event:` line with each event's type, "
-                         "`data:` its JSON), from message_start to message_stop",
-          "content": {"text/event-stream": {}}},
-}
+_CREATED = streaming_responses(MESSAGES_ERROR_RESPONSES, "an `event:` line with each event's type, `data:` its "
+                                                         "JSON, from message_start to message_stop")
 
 
 @router.post("/v1/messages", response_model=MessageObject, responses=_CREATED,

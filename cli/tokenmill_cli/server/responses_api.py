@@ -23,7 +23,13 @@ from starlette.responses import Response
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_cli.server.chat import generate_chat
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError, exception_body, output_error
+from tokenmill_cli.server.errors import (
+    ERROR_RESPONSES,
+    APIError,
+    exception_body,
+    output_error,
+    streaming_responses,
+)
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.protocol import ChatRendering
 from tokenmill_cli.server.reasoning import ReplyReasoning
@@ -62,12 +68,8 @@ router = APIRouter(tags=["responses"])
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     401: ERROR_RESPONSES[401], 404: {"model": ErrorResponse, "description": "no stored response has this id"}}
-_CREATED: dict[int | str, dict[str, Any]] = {
-    **ERROR_RESPONSES,
-    200: {"description": "the response; with stream: server-sent events (an `event:` line with each event's type, "
-                         "`data:` its JSON), ending with response.completed, .incomplete or .failed",
-          "content": {"text/event-stream": {}}},
-}
+_CREATED = streaming_responses(ERROR_RESPONSES, "an `event:` line with each event's type, `data:` its JSON, "
+                                                "ending with response.completed, .incomplete or .failed")
 
 
 @router.post("/v1/responses", response_model=ResponseObject, responses=_CREATED,

@@ -2,38 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from tokenmill.plugins.named_classes import NamedClasses
+from tokenmill.tool_parsers.base import ToolParser
 
-from tokenmill.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from tokenmill.plugins.manager import PluginManager
-    from tokenmill.tool_parsers.base import ToolParser
-
-HOOK = "tokenmill_register_tool_parsers"
-
-
-def tool_parser_names(plugins: PluginManager | None = None) -> list[str]:
-    """Every registered parser name, sorted."""
-    return sorted(_plugins(plugins).collect_named(HOOK))
-
-
-def load_tool_parser(name: str, plugins: PluginManager | None = None) -> type[ToolParser]:
-    """The parser class registered as ``name``; an unknown name is an error listing the known ones."""
-    from tokenmill.plugins.specs import resolve_qualname
-
-    registered = _plugins(plugins).collect_named(HOOK)
-    if name not in registered:
-        known = ", ".join(sorted(registered)) or "none (install tokenmill-tool-parsers)"
-        raise InvalidRequestError(f"unknown tool-call parser {name!r}; registered: {known}",
-                                  param="tool_call_parser")
-    _, qualname = registered[name]
-    return resolve_qualname(qualname)
-
-
-def _plugins(plugins: PluginManager | None) -> PluginManager:
-    if plugins is not None:
-        return plugins
-    from tokenmill.plugins.manager import get_plugin_manager
-
-    return get_plugin_manager()
+TOOL_PARSERS: NamedClasses[ToolParser] = NamedClasses(
+    "tokenmill_register_tool_parsers", "tool-call parser", "tool_call_parser", "tokenmill-tool-parsers")
+tool_parser_names = TOOL_PARSERS.names
+load_tool_parser = TOOL_PARSERS.load
