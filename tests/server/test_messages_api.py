@@ -123,6 +123,20 @@ def test_count_tokens_is_the_prompt_a_message_counts(claude):
     assert counted.input_tokens == claude.messages.create(max_tokens=1, **args, **GREEDY).usage.input_tokens > 0
 
 
+def test_blocks_with_extra_keys_count_as_their_text(claude):
+    """Keys a block does not use (cache_control, citations, ...) leave its text as it is, in a tool_result's
+    content too (schemathesis found such a text block refused as an unsupported kind)."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}
+
+    def turns(block):
+        return [{"role": "user", "content": "What time is it?"}, {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [block]}]}]
+    plain = claude.messages.count_tokens(model=MODEL, tools=TOOLS, messages=turns({"type": "text", "text": "12:00"}))
+    extra = claude.messages.count_tokens(model=MODEL, tools=TOOLS, messages=turns(
+        {"type": "text", "text": "12:00", "cache_control": {"type": "ephemeral"}, "citations": None}))
+    assert extra.input_tokens == plain.input_tokens > 0
+
+
 # -- structured output -------------------------------------------------------------------------------------
 class Pick(BaseModel):
     color: Literal["red", "green", "blue"]

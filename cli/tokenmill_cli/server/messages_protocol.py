@@ -45,7 +45,18 @@ class OtherBlock(BaseModel):
     type: str
 
 
-ToolResultContent = str | list[TextBlockParam | SkipJsonSchema[OtherBlock]]
+def _result_block_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text" if kind == "text" else "other"
+
+
+# Tagged by ``type``, not left to pydantic's smart union: it would take a text block with extra
+# keys for an OtherBlock (which keeps the extras and so "fits better") and refuse it.
+ResultBlockParam = Annotated[
+    Annotated[TextBlockParam, Tag("text")] | SkipJsonSchema[Annotated[OtherBlock, Tag("other")]],
+    Discriminator(_result_block_kind),
+]
+ToolResultContent = str | list[ResultBlockParam]
 
 
 class ToolResultBlockParam(BaseModel):
