@@ -95,3 +95,12 @@ def test_soft_capped_model_gets_a_backend_that_caps(family_model):
     with pytest.raises(PluginError, match="cannot soft-cap attention scores"):
         LLM(str(family_model("gemma2")), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
             attention_backend="cpu-paged")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3"])
+def test_two_tensor_parallel_ranks_match_transformers(arch, family_model, family_reference):
+    """Split over two ranks (gloo on the CPU): heads, the MLP and the vocabulary halved, Gemma 3's
+    two K/V heads one per rank, Phi-3's fused q/k/v and gate/up cut into their shards first."""
+    llm, outputs = _generate(family_model(arch), tensor_parallel_size=2)
+    _assert_matches(outputs, family_reference(arch))
+    llm.engine.shutdown()
