@@ -104,3 +104,16 @@ def test_two_tensor_parallel_ranks_match_transformers(arch, family_model, family
     llm, outputs = _generate(family_model(arch), tensor_parallel_size=2)
     _assert_matches(outputs, family_reference(arch))
     llm.engine.shutdown()
+
+
+def test_prefix_cache_hits_under_sliding_windows_match_transformers(family_model):
+    """Six prompts behind one 40-token prefix: the later ones reuse its cached blocks, including
+    blocks that their sliding-window layers no longer attend to, and keep transformers' tokens."""
+    path = family_model("gemma3")
+    prompts = _prompts(2, count=6, shared_prefix=40)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="32MiB", enable_prefix_caching=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], _greedy())
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], _greedy())
+    _assert_matches(first + rest, expected)
+    assert all(out.num_cached_tokens >= 32 for out in rest), [o.num_cached_tokens for o in rest]
