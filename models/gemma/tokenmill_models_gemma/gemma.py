@@ -186,6 +186,8 @@ class Gemma2ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma: an encoder
+            raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not supported")
         self.config = config
         self.model = GemmaModel(config, ctx.child("model"), self.qk_norm)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
