@@ -78,8 +78,11 @@ def test_unknown_architecture(llama_path, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"NoSuchModelForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"NoSuchModelForCausalLM.*LlamaForCausalLM") as error:
         LLM(str(tmp_path), max_model_len=64)
+    for installed in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+        assert installed in str(error.value)
+    assert "docs/plugins.md" in str(error.value)
 
 
 @pytest.mark.parametrize("model", ["/no/such/folder", "./missing-model", "weights.gguf"])

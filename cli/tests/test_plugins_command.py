@@ -24,7 +24,8 @@ def test_lists_installed_plugins_and_their_names():
     out = _run_plugins_command()
     for expected in ("tokenmill-platform-cpu", "tokenmill-models-llama", "LlamaForCausalLM", "sdpa", "cpu-paged",
                      "tokenmill-example-toy", "ToyLMForCausalLM", "quantization-methods: gguf", "hermes",
-                     "structured-output-backends: xgrammar", "reasoning-parsers: deepseek_r1, qwen3"):
+                     "structured-output-backends: xgrammar", "reasoning-parsers: deepseek_r1, qwen3",
+                     "tokenmill-models-gemma", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert expected in out, f"{expected!r} missing from:\n{out}"
 
 

@@ -262,7 +262,8 @@ def tokenmill_register_attention_backends(platform: Platform) -> list[AttentionB
     :param platform: the chosen platform (its ``device_type`` tells which devices
         the backend must support).
     :returns: :class:`~tokenmill.plugins.specs.AttentionBackendSpec` records
-        (name, qualname, device types, dtypes, head sizes, sliding window, priority).
+        (name, qualname, device types, dtypes, head sizes, sliding window, priority,
+        attention soft-capping).
 
     Called: in each process that builds a model, once the model is built (its
     head size and dtype are known), and by ``tokenmill plugins``.
@@ -279,7 +280,8 @@ def tokenmill_select_attention_backend(
     """Choose the attention backend for the model about to run.
 
     :param request: what the model needs (device type, dtype, head size, sliding
-        window) and the user's explicit choice (``preferred``), if any.
+        window, attention soft-capping) and the user's explicit choice
+        (``preferred``), if any.
     :param candidates: the registered backends that support ``request``.
     :param platform: the chosen platform.
     :returns: the name of one backend (normally one of ``candidates``).

@@ -16,5 +16,6 @@ def tokenmill_register_attention_backends(platform: Any) -> list[AttentionBacken
             qualname="tokenmill_attn_sdpa.backend:SDPABackend",
             device_types=("cpu", "cuda", "xpu"),
             priority=0,
+            supports_logits_soft_cap=True,
         )
     ]

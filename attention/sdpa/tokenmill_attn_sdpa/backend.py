@@ -7,6 +7,8 @@ every request's blocks whole (``index_select`` of block-sized chunks, several
 times faster than gathering token rows), and runs one batched SDPA call
 (grouped-query attention natively, no repeated KV heads). Key positions past a
 request's length read whatever its padding blocks hold; the mask removes them.
+A layer with a soft cap on its scores (Gemma 2) takes the same gather and mask
+through an explicit softmax, since SDPA cannot apply a function to the scores.
 """
 
 from __future__ import annotations
@@ -85,9 +87,26 @@ class SDPABackend:
         k = key_cache.index_select(0, step.block_index).view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
         v = value_cache.index_select(0, step.block_index).view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, S, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=step.mask(layer.sliding_window), scale=layer.scale,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )
+        mask = step.mask(layer.sliding_window)
+        if layer.logits_soft_cap is not None:
+            out = soft_capped_attention(q, k, v, mask, layer.scale, layer.logits_soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale,
+                                                 enable_gqa=layer.num_heads != layer.num_kv_heads)
         out = out.transpose(1, 2).reshape(num_reqs * step.query_index.shape[1], layer.num_heads, layer.head_size)
         return out.index_select(0, step.valid_flat)  # [T, H, D], tokens in batch order
+
+
+def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          cap: float) -> torch.Tensor:
+    """Attention with ``cap * tanh(score / cap)`` scores, in transformers' order (scale,
+    cap, mask, softmax in float32). ``q`` [B, H, Q, D], ``k``/``v`` [B, H_kv, S, D],
+    ``mask`` [B, 1, Q, S] (True: attend) -> [B, H, Q, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

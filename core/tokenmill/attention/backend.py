@@ -27,7 +27,9 @@ class AttentionBackend(Protocol):
     ``prepare`` runs once per step; ``forward`` once per layer. ``forward``
     first writes the new tokens' K and V into ``kv_cache`` at
     ``metadata.slot_mapping``, then attends each query to its request's cached
-    keys (causal, within ``layer.sliding_window`` when set).
+    keys (causal, within ``layer.sliding_window`` when set; scores soft-capped as
+    ``cap * tanh(score / cap)`` with ``cap = layer.logits_soft_cap`` when set, a
+    backend that declares ``supports_logits_soft_cap``).
     """
 
     name: str
@@ -49,6 +51,7 @@ class AttentionRequirements:
     head_size: int
     sliding_window: bool
     preferred: str | None = None
+    logits_soft_cap: bool = False
 
 
 def select_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements,
@@ -59,7 +62,12 @@ def select_attention_backend(plugins: PluginManager, platform: Any, needs: Atten
     if needs.preferred is not None and needs.preferred not in registered:
         raise PluginError(f"attention backend {needs.preferred!r} is not installed; have {sorted(registered)}")
     candidates = [s for s in registered.values() if s.name not in exclude
-                  and s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window)]
+                  and s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window,
+                                 needs.logits_soft_cap)]
+    if needs.preferred is not None and needs.logits_soft_cap and registered[needs.preferred] not in candidates:
+        # Run anyway, it would compute other scores than the model's.
+        raise PluginError(f"attention backend {needs.preferred!r} cannot soft-cap attention scores, which this "
+                          f"model needs ({needs})")
     chosen = plugins.hook.tokenmill_select_attention_backend(request=needs, candidates=candidates, platform=platform)
     if chosen is None:
         raise PluginError(f"no installed attention backend supports {needs}; registered: {sorted(registered)}")

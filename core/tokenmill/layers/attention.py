@@ -14,11 +14,14 @@ class Attention(nn.Module):
 
     Models hand it projected ``q``, ``k``, ``v`` of shape ``[T, heads * head_size]``
     after rotary embedding; the model runner binds the backend and this layer's
-    KV cache once, after the cache is allocated.
+    KV cache once, after the cache is allocated. ``logits_soft_cap`` (Gemma 2) caps
+    the scaled scores at ``cap * tanh(score / cap)`` before the softmax; only
+    backends that declare ``supports_logits_soft_cap`` are chosen for such a model.
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, layer_index: int = 0) -> None:
+                 sliding_window: int | None = None, layer_index: int = 0, *,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads")
@@ -28,6 +31,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.layer_index = layer_index
+        self.logits_soft_cap = logits_soft_cap
         self.backend: AttentionBackend | None = None
         self.kv_cache: KVCache | None = None
 

@@ -58,5 +58,6 @@ def resolve_model_class(checkpoint: Checkpoint, plugins: PluginManager, platform
             return resolve_qualname(qualname)
     raise UnsupportedModelError(
         f"architecture {checkpoint.architectures or '(none in config.json)'} is not supported by any installed "
-        f"model plugin; supported: {sorted(registered)}"
+        f"model plugin; supported: {sorted(registered)}. A model plugin adds architectures: see docs/plugins.md "
+        "(\"A model plugin\")"
     )

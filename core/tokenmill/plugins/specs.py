@@ -44,13 +44,17 @@ class AttentionBackendSpec:
     head_sizes: tuple[int, ...] | None = None  # None: any head size
     supports_sliding_window: bool = True
     priority: int = 0
+    # tanh soft-capping of the attention scores (Gemma 2): off unless a backend says it has it
+    supports_logits_soft_cap: bool = False
 
-    def supports(self, device_type: str, dtype: str, head_size: int, sliding_window: bool) -> bool:
+    def supports(self, device_type: str, dtype: str, head_size: int, sliding_window: bool,
+                 logits_soft_cap: bool = False) -> bool:
         return (
             device_type in self.device_types
             and dtype in self.dtypes
             and (self.head_sizes is None or head_size in self.head_sizes)
             and (self.supports_sliding_window or not sliding_window)
+            and (self.supports_logits_soft_cap or not logits_soft_cap)
         )
 
 

@@ -123,6 +123,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         head_size=layers[0].head_size if layers else 0,
         sliding_window=any(layer.sliding_window for layer in layers),
         preferred=config.attention_backend,
+        logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
     return ModelRunner(

@@ -1,4 +1,4 @@
-"""Llama-family model plugin: Llama, Mistral, Qwen2 and Qwen3 decoders.
+"""Llama-family model plugin: Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders.
 
 This module is the entry point: it imports no torch; the classes load lazily.
 """
@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": f"{_MODULE}:LlamaForCausalLM",
     "Qwen2ForCausalLM": f"{_MODULE}:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": f"{_MODULE}:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": f"{_MODULE}:Phi3ForCausalLM",
 }
 
 

@@ -1,7 +1,8 @@
 """The Llama decoder and the family members that differ from it in a flag.
 
 Qwen2 adds a bias to the q/k/v projections; Qwen3 normalises each head of q
-and k; Mistral is Llama with a sliding window, which the config carries.
+and k; Mistral is Llama with a sliding window, which the config carries; Phi-3
+stores q/k/v and gate/up fused in its checkpoint and may use LongRoPE.
 q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
 checkpoint's separate tensors into their shards. Under tensor parallelism (the build
 context's ``world_size``) q/k/v and gate/up are column-parallel (heads and the MLP's
@@ -223,3 +224,46 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama's layers, with q/k/v and gate/up each fused into one checkpoint tensor
+    (``qkv_proj``, ``gate_up_proj``), cut back into their shards on load (so that tensor
+    parallelism splits each one). A LongRoPE ("su") config rotates each request's tokens
+    by its short or long frequencies (:mod:`tokenmill.layers.longrope`)."""
+
+    qkv_bias = False
+    o_bias = False
+
+    def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
+        partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ValueError(f"Phi-3 with partial_rotary_factor={partial} is not supported (only 1.0)")
+        super().__init__(config, ctx=ctx)
+        # the layers' shared table: it says which of its rows each token rotates by
+        self.rotary = get_rotary_embedding(ctx, _head_size(config), config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, self.rotary.rope_positions(positions, metadata), metadata)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, fused ones as the separate projections Llama loads."""
+        config = self.config
+        head = _head_size(config)
+        q_size = config.num_attention_heads * head
+        kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head
+        for name, tensor in weights:
+            module_path, _, leaf = name.rpartition(".")
+            owner, _, proj = module_path.rpartition(".")
+            if proj == "qkv_proj":
+                parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_size, kv_size, kv_size]), strict=True)
+            elif proj == "gate_up_proj":
+                parts = zip(("gate_proj", "up_proj"), tensor.chunk(2), strict=True)
+            else:
+                yield name, tensor
+                continue
+            for part_name, part in parts:
+                yield f"{owner}.{part_name}.{leaf}", part

@@ -146,4 +146,25 @@ def _arch_specific(metadata: GGUFMetadata, arch: GGUFArchitecture) -> dict[str, 
     if arch.model_type == "mistral":
         # llama.cpp runs these files with full attention; MistralConfig would default to a 4096 window.
         extras["sliding_window"] = None
+    if arch.model_type == "gemma3_text":
+        extras.update(_gemma3_extras(metadata))
     return extras
+
+
+def _gemma3_extras(metadata: GGUFMetadata) -> dict[str, Any]:
+    """Gemma 3's sliding window and its two ropes: the file's rope is the global layers';
+    the sliding layers' base is llama.cpp's fixed 10,000 unless the file says otherwise.
+    Scores are scaled by the head width, as llama.cpp does (every size but 27B, whose
+    ``query_pre_attn_scalar`` the file does not keep). The every-sixth-layer-global
+    pattern is Gemma3TextConfig's default, as in llama.cpp."""
+    head_dim = _head_dim(metadata, int(metadata.require_arch_value("embedding_length")),
+                         int(metadata.require_arch_value("attention.head_count")))
+    sliding_base = float(metadata.arch_value("rope.freq_base_swa", 10000.0))
+    return {
+        "sliding_window": int(metadata.require_arch_value("attention.sliding_window")),
+        "query_pre_attn_scalar": head_dim,
+        "rope_parameters": {
+            "full_attention": rope_parameters(metadata),
+            "sliding_attention": {"rope_type": "default", "rope_theta": sliding_base},
+        },
+    }

@@ -40,7 +40,8 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(
         path=path,
         hf_config=hf_config,
-        weights=functools.partial(iter_hf_weights, tensors, dtype, qk_layout),
+        weights=functools.partial(iter_hf_weights, tensors, dtype, qk_layout, arch.leaf_overrides,
+                                  arch.norm_weight_offset),
         tokenizer=load_gguf_tokenizer(path, metadata),
         generation_config=generation_defaults(metadata),
         format=CHECKPOINT_FORMAT,

@@ -8,6 +8,7 @@ covers all four.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -37,8 +38,9 @@ _BLOCK_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.(?P<kind>weight|b
 _TOP_NAME = re.compile(r"(?P<leaf>\w+)\.(?P<kind>weight|bias)")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
+def gguf_to_hf_name(gguf_name: str, leaf_overrides: Mapping[str, str] | None = None) -> str | None:
     """The HF name of a GGUF tensor; ``None`` for tensors with no HF parameter.
+    ``leaf_overrides`` maps an architecture's block leaves that differ from the llama family's.
 
     Raises ``ValueError`` for a name outside the llama family, so a weight is
     never dropped silently.
@@ -46,7 +48,7 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
     if gguf_name in NO_HF_PARAMETER:
         return None
     if match := _BLOCK_NAME.fullmatch(gguf_name):
-        leaf = BLOCK_LEAVES.get(match["leaf"])
+        leaf = (leaf_overrides or {}).get(match["leaf"]) or BLOCK_LEAVES.get(match["leaf"])
         if leaf is not None:
             return f"model.layers.{match['layer']}.{leaf}.{match['kind']}"
     elif match := _TOP_NAME.fullmatch(gguf_name):

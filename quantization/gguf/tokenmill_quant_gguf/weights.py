@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,17 +44,23 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def iter_hf_weights(tensors: Sequence[ReaderTensor], dtype: torch.dtype, qk_layout: QKLayout | None) -> WeightsIterator:
+def iter_hf_weights(tensors: Sequence[ReaderTensor], dtype: torch.dtype, qk_layout: QKLayout | None,
+                    leaf_overrides: Mapping[str, str] | None = None, norm_weight_offset: float = 0.0) -> WeightsIterator:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantised to ``dtype``.
+    ``leaf_overrides`` and ``norm_weight_offset`` (added to every norm weight, in float32)
+    are the architecture's (:class:`~tokenmill_quant_gguf.architectures.GGUFArchitecture`).
 
     Only one dequantised tensor is alive at a time on our side; the quantized
     bytes stay in the memory-mapped file until read.
     """
     for tensor in tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, leaf_overrides)
         if hf_name is None:
             continue
-        values = dequantize_tensor(tensor).to(dtype)
+        values = dequantize_tensor(tensor)
+        if norm_weight_offset and hf_name.endswith("norm.weight"):
+            values = values + norm_weight_offset
+        values = values.to(dtype)
         heads = qk_layout.heads_for(hf_name) if qk_layout is not None else None
         if heads is not None:
             values = unpermute_rope_rows(values, heads)
