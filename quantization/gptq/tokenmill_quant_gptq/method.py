@@ -19,6 +19,7 @@ does not match ``group_size`` is refused with both numbers, never run.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import cast
@@ -28,6 +29,8 @@ from torch import nn
 
 from tokenmill.layers import Linear, OutputShardLoader
 from tokenmill_quant_gptq.kernels import dequantized_linear, gptq_dequantize, unpack_columns, values_per_word
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,12 @@ class GptqScheme:
 
 
 class GptqLinearMethod:
-    """Dequantise the packed weight, then one matmul in the activations' dtype."""
+    """On CUDA with triton, the packed weight dequantised inside a Triton matmul; elsewhere
+    dequantise the whole weight, then one matmul in the activations' dtype (the torch path)."""
 
     def __init__(self, scheme: GptqScheme) -> None:
         self.scheme = scheme
+        self.kernel = "torch"  # chosen once the weights are on their device
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -77,13 +82,37 @@ class GptqLinearMethod:
         if g_idx.min() < 0 or g_idx.max() >= scales.shape[0]:
             raise ValueError(f"{linear.prefix}.g_idx: group indices {int(g_idx.min())}..{int(g_idx.max())} outside "
                              f"the {scales.shape[0]} groups of its scales")
+        self.kernel = choose_packed_int_kernel(zeros.device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "triton":
+            from tokenmill_quant_gptq.triton_kernels import packed_int_linear_triton
+
+            out = packed_int_linear_triton(x.reshape(-1, x.shape[-1]), cast(torch.Tensor, layer.qweight),
+                                           cast(torch.Tensor, layer.qzeros), cast(torch.Tensor, layer.scales),
+                                           cast(torch.Tensor, layer.g_idx), self.scheme.bits,
+                                           cast(torch.Tensor | None, layer.bias))
+            return out.reshape(*x.shape[:-1], out.shape[1])
         weight = gptq_dequantize(cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.qzeros),
                                  cast(torch.Tensor, layer.scales), cast(torch.Tensor, layer.g_idx), self.scheme.bits,
                                  x.dtype)
         out = dequantized_linear(x.reshape(-1, x.shape[-1]), weight, cast(torch.Tensor | None, layer.bias))
         return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+@functools.cache
+def choose_packed_int_kernel(device: torch.device) -> str:
+    """``"triton"`` on CUDA where triton imports, else ``"torch"``; logged once per device."""
+    kernel, reason = "torch", f"dequantise, then matmul ({device.type})"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            reason = "triton is not installed"
+        else:
+            kernel, reason = "triton", "packed weights dequantised inside the matmul"
+    logger.info("gptq linear layers on %s: %s kernel (%s)", device, kernel, reason)
+    return kernel
 
 
 def check_layer_shape(layer: Linear, scheme: GptqScheme, input_size: int, output_partition_sizes: list[int]) -> None:
