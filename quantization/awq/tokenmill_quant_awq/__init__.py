@@ -13,8 +13,10 @@ from typing import Any
 from tokenmill.plugin_api import QuantMethodSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")  # any device: the torch path runs everywhere
 
-AWQ_METHOD = QuantMethodSpec(name="awq", qualname="tokenmill_quant_awq.config:AwqConfig", checkpoint_aliases=("awq",))
+AWQ_METHOD = QuantMethodSpec(name="awq", qualname="tokenmill_quant_awq.config:AwqConfig", checkpoint_aliases=("awq",),
+                             dtypes=ACTIVATION_DTYPES)
 
 
 @hookimpl

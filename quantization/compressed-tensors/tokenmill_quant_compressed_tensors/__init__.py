@@ -13,10 +13,12 @@ from typing import Any
 from tokenmill.plugin_api import QuantMethodSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")  # any device: the torch path runs everywhere
 
 COMPRESSED_TENSORS_METHOD = QuantMethodSpec(
     name="compressed-tensors", qualname="tokenmill_quant_compressed_tensors.config:CompressedTensorsConfig",
-    checkpoint_aliases=("compressed-tensors", "compressed_tensors"))
+    checkpoint_aliases=("compressed-tensors", "compressed_tensors"),
+    dtypes=ACTIVATION_DTYPES)
 
 
 @hookimpl

@@ -13,9 +13,10 @@ from typing import Any
 from tokenmill.plugin_api import QuantMethodSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")  # any device: the torch path runs everywhere
 
 GPTQ_METHOD = QuantMethodSpec(name="gptq", qualname="tokenmill_quant_gptq.config:GptqConfig",
-                              checkpoint_aliases=("gptq",))
+                              checkpoint_aliases=("gptq",), dtypes=ACTIVATION_DTYPES)
 
 
 @hookimpl
