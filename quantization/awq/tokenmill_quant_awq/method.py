@@ -22,8 +22,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from tokenmill.layers import Linear, OutputShardLoader
-from tokenmill_quant_gptq.kernels import dequantize_grouped, dequantized_linear, pack_columns, unpack_columns
+from tokenmill.layers import (
+    Linear,
+    OutputShardLoader,
+    dequantize_grouped,
+    dequantized_linear,
+    pack_columns,
+    unpack_columns,
+)
 
 BITS = 4
 PER_WORD = 8

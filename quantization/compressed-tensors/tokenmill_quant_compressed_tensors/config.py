@@ -20,8 +20,7 @@ from compressed_tensors.quantization import QuantizationConfig as CompressedTens
 from compressed_tensors.utils import is_match
 from torch import nn
 
-from tokenmill.layers import QuantizationConfig
-from tokenmill.layers.linear import LinearMethod
+from tokenmill.layers import LinearMethod, QuantizationConfig
 from tokenmill_quant_compressed_tensors.schemes import MethodFactory, method_for_scheme
 
 # tokenmill's merged layers and the checkpoint projections each holds (matched by name suffix)
@@ -74,4 +73,4 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         found = self.group_of(layer, prefix)
-        return None if found is None else found[1]()
+        return None if found is None else found[1](layer, prefix)

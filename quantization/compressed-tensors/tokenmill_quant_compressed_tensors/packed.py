@@ -13,7 +13,7 @@ Parameters, for ``K`` inputs, ``N`` outputs, ``p = 32 / bits`` and ``G`` groups
 
 With the offsets, ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])`` on the stored
 (unsigned) values, a symmetric scheme's zero being ``2**(bits-1)``: the same grouped
-dequantisation as GPTQ's, which runs it (``tokenmill_quant_gptq.kernels``).
+dequantisation as GPTQ's (``tokenmill.layers.dequantize_grouped``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from tokenmill.layers import Linear, OutputShardLoader
-from tokenmill_quant_gptq.kernels import dequantize_grouped, dequantized_linear, unpack_columns, unpack_rows
+from tokenmill.layers import (
+    Linear,
+    OutputShardLoader,
+    dequantize_grouped,
+    dequantized_linear,
+    unpack_columns,
+    unpack_rows,
+)
 
 
 class PackedIntLinearMethod:
