@@ -19,8 +19,9 @@ weight ``W [N, K]`` becomes, for ``G = ceil(K / group_size)`` groups:
   ``scales`` float16 ``[G, N]``.
 
 The twin holds ``scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])`` in float32.
-The packing is checked against the ``compressed-tensors`` package's own int32
-packer (``pack_to_int32``: the same low-bits-first order) in
+The packing is checked against AutoGPTQ's own ``QuantLinear.pack`` (qweight and the
+v1 qzeros, bit for bit) and the ``compressed-tensors`` package's int32 packer
+(``pack_to_int32``: the same low-bits-first order) in
 quantization/gptq/tests/test_gptq_checkpoints.py.
 """
 
