@@ -57,8 +57,8 @@ def test_a_single_file_format_picks_its_method_and_gguf_keeps_every_layer_float(
 
 
 def test_an_unknown_method_is_a_typed_error_listing_the_installed_ones():
-    with pytest.raises(UnsupportedQuantizationError, match=r"'awq'.*installed: .*example-int8 \(example_int8\)") as err:
-        _resolve(_checkpoint({"quant_method": "awq"}))
+    with pytest.raises(UnsupportedQuantizationError, match=r"'hqq'.*installed: .*example-int8 \(example_int8\)") as err:
+        _resolve(_checkpoint({"quant_method": "hqq"}))
     assert isinstance(err.value, UnsupportedModelError)
     assert "gguf (gguf)" in err.value.installed
     with pytest.raises(UnsupportedQuantizationError, match=r"option asks for.*'nf4'"):

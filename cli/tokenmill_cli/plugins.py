@@ -83,8 +83,16 @@ def _names(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value.rsplit("/", 1)[-1]]
     if hasattr(value, "name"):
-        return [value.name]
-    return [spec.name for spec in value]
+        return [_spec_label(value)]
+    return [_spec_label(spec) for spec in value]
+
+
+def _spec_label(spec: Any) -> str:
+    """A spec's name, with where it runs for those that say (quantization methods)."""
+    if not hasattr(spec, "devices"):
+        return str(spec.name)
+    devices, dtypes = ", ".join(spec.devices) or "any device", ", ".join(spec.dtypes) or "any dtype"
+    return f"{spec.name} ({devices}; {dtypes})"
 
 
 def _registered_names(manager: Any) -> dict[str, list[str]]:

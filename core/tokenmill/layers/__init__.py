@@ -17,10 +17,31 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.lm_head import ParallelLMHead
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
+from tokenmill.layers.packed_int import (
+    SUPPORTED_BITS,
+    dequantize_grouped,
+    dequantized_linear,
+    gptq_dequantize,
+    pack_columns,
+    pack_rows,
+    unpack_columns,
+    unpack_rows,
+    values_per_word,
+)
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
 
 __all__ = [
+    # packed int weights (tokenmill.layers.packed_int)
+    "SUPPORTED_BITS",
+    "dequantize_grouped",
+    "dequantized_linear",
+    "gptq_dequantize",
+    "pack_columns",
+    "pack_rows",
+    "unpack_columns",
+    "unpack_rows",
+    "values_per_word",
     "Attention",
     "Communicator",
     "LayerOps",

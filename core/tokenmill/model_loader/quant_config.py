@@ -34,6 +34,7 @@ def resolve_quant_config(checkpoint: Checkpoint, plugins: PluginManager, platfor
     spec = choose_quant_method(specs, requested, declared.get("quant_method"), checkpoint.format)
     if spec is None:
         return None
+    check_runs_on(spec, specs, getattr(platform, "device_type", None))
     config_cls = resolve_qualname(spec.qualname)
     if not (isinstance(config_cls, type) and issubclass(config_cls, QuantizationConfig)):
         raise TypeError(f"quantization method {spec.name!r}: {spec.qualname} is not a QuantizationConfig subclass")
@@ -62,6 +63,17 @@ def choose_quant_method(specs: list[QuantMethodSpec], requested: str | None, dec
     if declared is not None:
         return _find(specs, declared, "the checkpoint declares")
     return next((spec for spec in specs if spec.loader_qualname and _names(spec, checkpoint_format)), None)
+
+
+def check_runs_on(spec: QuantMethodSpec, specs: list[QuantMethodSpec], device: str | None) -> None:
+    """Refuse a method whose spec does not list ``device`` (the platform's device type), naming
+    the methods that would run there."""
+    if device is None or not spec.devices or device in spec.devices:
+        return
+    runnable = sorted(s.name for s in specs if not s.devices or device in s.devices)
+    raise UnsupportedQuantizationError(
+        f"quantization method {spec.name!r} does not run on {device} (it runs on {', '.join(spec.devices)}); "
+        f"methods that run on {device}: {', '.join(runnable) or 'none'}", _installed(specs))
 
 
 def _names(spec: QuantMethodSpec, name: str) -> bool:

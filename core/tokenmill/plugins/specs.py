@@ -80,6 +80,9 @@ class QuantMethodSpec:
     ``checkpoint_aliases`` are the names a checkpoint's ``quantization_config``
     may use; ``file_suffixes`` are single-file formats (``.gguf``) whose
     ``loader_qualname`` turns the file into a config, tokenizer and weights.
+    ``devices`` (platform device types, e.g. ``("cuda",)``) and ``dtypes`` (activation
+    dtypes, e.g. ``("float16", "bfloat16")``) say where the method runs; empty: anywhere.
+    A model is refused at load on a device its method does not list.
     """
 
     name: str
@@ -87,6 +90,8 @@ class QuantMethodSpec:
     checkpoint_aliases: tuple[str, ...] = ()
     file_suffixes: tuple[str, ...] = ()
     loader_qualname: str | None = None
+    devices: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

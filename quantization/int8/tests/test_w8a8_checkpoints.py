@@ -44,8 +44,11 @@ def float_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def w8a8_pair(float_llama, tmp_path_factory) -> tuple[Path, Path]:
-    assert any(ep.name == "int8" for ep in entry_points(group="tokenmill.plugins")), \
-        "plugin 'int8' is not installed: pip install -e quantization/int8"
+    installed = {ep.name for ep in entry_points(group="tokenmill.plugins")}
+    assert "int8" in installed, "plugin 'int8' is not installed: pip install -e quantization/int8"
+    assert "compressed_tensors" in installed, \
+        "plugin 'compressed_tensors' (which reads these checkpoints' config) is not installed: " \
+        "pip install -e quantization/compressed-tensors"
     quantized, dequantized = tmp_path_factory.mktemp("w8a8"), tmp_path_factory.mktemp("dequantized")
     build_w8a8_pair(float_llama, quantized, dequantized)
     return quantized, dequantized

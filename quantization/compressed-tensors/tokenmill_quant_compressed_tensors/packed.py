@@ -1,0 +1,114 @@
+"""Pack-quantized int weights with float activations (W4A16, W8A16), compressed-tensors' layout.
+
+Parameters, for ``K`` inputs, ``N`` outputs, ``p = 32 / bits`` and ``G`` groups
+(``ceil(K / group_size)``, or 1 per channel):
+
+* ``weight_packed``: int32 ``[N, ceil(K / p)]``, each row's values packed low bits
+  first, offset by ``2**(bits-1)`` (``pack_to_int32``: the row padded to whole words);
+* ``weight_scale``: ``[N, G]`` (the model's float dtype on disk), kept float32;
+* ``weight_zero_point`` (asymmetric only): int32 ``[ceil(N / p), G]``, packed along
+  the *output* dimension, the same offset; unpacked at load into ``[N, G]`` so that
+  the shards of a merged layer need not start on a word boundary;
+* ``weight_shape``: ``[N, K]``, checked against the layer and not kept.
+
+With the offsets, ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])`` on the stored
+(unsigned) values, a symmetric scheme's zero being ``2**(bits-1)``: the same grouped
+dequantisation as GPTQ's (``tokenmill.layers.dequantize_grouped``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import cast
+
+import torch
+from torch import nn
+
+from tokenmill.layers import (
+    Linear,
+    OutputShardLoader,
+    dequantize_grouped,
+    dequantized_linear,
+    unpack_columns,
+    unpack_rows,
+)
+
+
+class PackedIntLinearMethod:
+    def __init__(self, bits: int, group_size: int | None, symmetric: bool) -> None:
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+
+    def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        if layer.output_loader.world_size > 1:
+            raise ValueError(f"{layer.prefix}: pack-quantized layers are not split over tensor-parallel ranks yet")
+        per_word, outputs = 32 // self.bits, sum(output_partition_sizes)
+        group = self.group_size or input_size
+        groups = math.ceil(input_size / group)
+        shards = layer.output_loader
+        layer.add_parameter("weight_packed", torch.zeros(outputs, math.ceil(input_size / per_word), dtype=torch.int32),
+                            output_dim=0, weight_loader=functools.partial(_load_packed, shards))
+        layer.add_parameter("weight_scale", torch.zeros(outputs, groups, dtype=torch.float32), output_dim=0,
+                            weight_loader=functools.partial(_load_scale, shards, group, input_size))
+        layer.add_parameter("weight_shape", torch.zeros(2, dtype=torch.int64),
+                            weight_loader=functools.partial(_check_shape, shards, input_size))
+        if self.symmetric:
+            layer.register_buffer("zeros", torch.full((groups, outputs), 1 << (self.bits - 1), dtype=torch.int32),
+                                  persistent=False)
+        else:
+            layer.add_parameter("weight_zero_point", torch.full((outputs, groups), -1, dtype=torch.int32),
+                                output_dim=0, weight_loader=functools.partial(_load_zero_point, shards, self.bits))
+        layer.register_buffer("g_idx", (torch.arange(input_size) // group).to(torch.int32), persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.symmetric:
+            zero_point = cast(torch.Tensor, layer.weight_zero_point)
+            if (zero_point < 0).any():
+                raise ValueError(f"{cast(Linear, layer).prefix}: asymmetric scheme but no weight_zero_point for "
+                                 "some output shard")
+            layer.register_buffer("zeros", zero_point.t().contiguous(), persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        q = unpack_columns(cast(torch.Tensor, layer.weight_packed), self.bits)[:, :k]
+        weight = dequantize_grouped(q.t(), cast(torch.Tensor, layer.zeros), cast(torch.Tensor, layer.weight_scale).t(),
+                                    cast(torch.Tensor, layer.g_idx), x.dtype)
+        out = dequantized_linear(x.reshape(-1, k), weight, cast(torch.Tensor | None, layer.bias))
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def _rows(shards: OutputShardLoader, shard_id: int | None) -> int:
+    return shards.shard_slice(shard_id)[1] if shard_id is not None else sum(shards.partition_sizes)
+
+
+def _load_packed(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
+                 shard_id: int | None = None) -> None:
+    if loaded.dtype != torch.int32:
+        raise ValueError(f"{shards.prefix}.weight_packed: expected packed int32, the checkpoint has {loaded.dtype}")
+    shards(param, loaded, shard_id)
+
+
+def _load_scale(shards: OutputShardLoader, group: int, input_size: int, param: nn.Parameter, loaded: torch.Tensor,
+                shard_id: int | None = None) -> None:
+    if loaded.dim() != 2 or loaded.shape[1] != param.shape[1]:
+        raise ValueError(f"{shards.prefix}.weight_scale: shape {tuple(loaded.shape)}, but groups of {group} over "
+                         f"{input_size} input features make {param.shape[1]} groups (columns)")
+    shards(param, loaded.float(), shard_id)
+
+
+def _load_zero_point(shards: OutputShardLoader, bits: int, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: int | None = None) -> None:
+    if loaded.dtype != torch.int32:
+        raise ValueError(f"{shards.prefix}.weight_zero_point: expected packed int32, the checkpoint has {loaded.dtype}")
+    shards(param, unpack_rows(loaded, bits)[: _rows(shards, shard_id)], shard_id)
+
+
+def _check_shape(shards: OutputShardLoader, input_size: int, param: nn.Parameter, loaded: torch.Tensor,
+                 shard_id: int | None = None) -> None:
+    expected = [_rows(shards, shard_id), input_size]
+    if loaded.tolist() != expected:
+        where = f"shard {shard_id} of " if shard_id is not None else ""
+        raise ValueError(f"{shards.prefix}.weight_shape: the checkpoint's weight is {loaded.tolist()}, {where}the "
+                         f"layer's is {expected}")
+    param.data.copy_(loaded)
