@@ -26,6 +26,7 @@ from tokenmill_quant_gguf import default_model, tokenmill_register_quantization_
 from tokenmill_quant_gguf.loader import load_gguf_checkpoint
 from tokenmill_quant_gguf.metadata import GGUFMetadata
 from tokenmill_quant_gguf.tokenizer import chat_template
+from tokenmill_quant_gguf.weights import dequantized_weights
 
 
 def _smollm2_path() -> Path | None:
@@ -43,12 +44,13 @@ requires_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"needs `{default_
 
 
 def test_registers_gguf_method_and_loader() -> None:
-    (spec,) = tokenmill_register_quantization_methods(platform=None)
+    spec, dequantized = tokenmill_register_quantization_methods(platform=None)
+    assert (dequantized.name, dequantized.loader_qualname) == ("gguf-dequantized", None)
     assert spec.name == "gguf"
     assert spec.file_suffixes == (".gguf",)
     assert spec.checkpoint_aliases == ("gguf",)
     assert spec.loader_qualname == "tokenmill_quant_gguf.loader:load_gguf_checkpoint"
-    assert spec.qualname == "tokenmill_quant_gguf.method:GGUFDequantized"
+    assert spec.qualname == "tokenmill_quant_gguf.method:GGUFConfig"
     assert "gguf" in {ep.name for ep in entry_points(group="tokenmill.plugins")}
 
 
@@ -136,7 +138,7 @@ def test_smollm2_config_tokenizer_and_weights_match_transformers(smollm2_checkpo
         assert ours == reference_config[key], key
 
     seen = set()
-    for name, tensor in checkpoint.weights():
+    for name, tensor in dequantized_weights(checkpoint.weights()):
         assert name in reference, name
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, reference[name]), name
@@ -306,7 +308,7 @@ def test_tiny_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
     assert config.tie_word_embeddings is tied
 
     original = model.state_dict()
-    loaded = dict(checkpoint.weights())
+    loaded = dict(dequantized_weights(checkpoint.weights()))
     expected_names = set(original) - ({"lm_head.weight"} if tied else set())
     assert set(loaded) == expected_names
     for name, tensor in loaded.items():
@@ -324,7 +326,7 @@ def test_weights_come_in_the_requested_dtype(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_llama_cpp_gguf(model, path, "llama")
     original = model.state_dict()
-    for name, tensor in load_gguf_checkpoint(path, torch.bfloat16).weights():
+    for name, tensor in dequantized_weights(load_gguf_checkpoint(path, torch.bfloat16).weights(), torch.bfloat16):
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
 
