@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import gguf
+from gguf.quants import quantize
 import numpy as np
 import pytest
 import torch
@@ -235,7 +237,10 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens + specials, types + [control] * len(specials), merges
 
 
-def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str) -> None:
+def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str,
+                         quant_type: Callable[[str], gguf.GGMLQuantizationType] | None = None) -> None:
+    """``model`` as llama.cpp writes it; ``quant_type(hf_name)``: the ggml type of each 2-d
+    weight (default F32), packed by the gguf package's own quantizer."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -270,7 +275,12 @@ def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str) -> None:
             values = llama_cpp_permute(values, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             values = llama_cpp_permute(values, config.num_key_value_heads)
-        writer.add_tensor(llama_cpp_name(hf_name), np.ascontiguousarray(values, dtype=np.float32))
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        qtype = quant_type(hf_name) if quant_type is not None and values.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(llama_cpp_name(hf_name), values)
+        else:
+            writer.add_tensor(llama_cpp_name(hf_name), quantize(values, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
