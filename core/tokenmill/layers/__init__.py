@@ -3,7 +3,7 @@
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
-from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
 from tokenmill.layers.linear import (
     Linear,
     LinearMethod,
@@ -23,6 +23,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_
 __all__ = [
     "Attention",
     "Communicator",
+    "EmbeddingMethod",
     "LayerOps",
     "Linear",
     "LinearMethod",

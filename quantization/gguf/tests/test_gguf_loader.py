@@ -17,10 +17,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import gguf
-from gguf.quants import quantize
 import numpy as np
 import pytest
 import torch
+from gguf.quants import quantize
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 

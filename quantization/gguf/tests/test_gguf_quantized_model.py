@@ -53,7 +53,7 @@ def dequantised_reference(path: Path, folder: Path) -> Path:
 
 
 def linear_forms(llm: LLM) -> dict[str, str]:
-    """Each linear layer's prefix -> ``qweight <type>`` or ``weight <dtype>``."""
+    """Each linear layer's and the embedding's prefix -> ``qweight <type>``, ``weight <dtype>`` or ``tied``."""
 
     def look(worker: object) -> dict[str, str]:
         model = worker.runner.model  # type: ignore[attr-defined]
@@ -62,8 +62,11 @@ def linear_forms(llm: LLM) -> dict[str, str]:
             method = getattr(module, "quant_method", None)
             if method is None:
                 continue
-            qtype = getattr(method, "qtype", None)
-            forms[module.prefix] = f"qweight {qtype.name}" if qtype is not None else f"weight {module.weight.dtype}"
+            qtype, weight = getattr(method, "qtype", None), getattr(module, "weight", None)
+            if qtype is not None:
+                forms[module.prefix] = f"qweight {qtype.name}"
+            else:  # a float layer, or a head tied to the embedding (no weight of its own)
+                forms[module.prefix] = f"weight {weight.dtype}" if weight is not None else "tied"
         return forms
 
     return llm.engine.core.executor.collective_rpc(look)[0]
@@ -83,10 +86,11 @@ def resident_weight_bytes(llm: LLM) -> int:
     return llm.engine.core.executor.collective_rpc(look)[0]
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_quantized_tiny_llama_generates_like_transformers_on_its_dequantised_weights(tmp_path: Path, mix: str):
+@pytest.mark.parametrize(("mix", "tied"), [(mix, False) for mix in sorted(MIXES)] + [("Q8_0", True)])
+def test_quantized_tiny_llama_generates_like_transformers_on_its_dequantised_weights(tmp_path: Path, mix: str,
+                                                                                     tied: bool):
     path = tmp_path / f"tiny-{mix}.gguf"
-    write_llama_cpp_gguf(tiny_model("llama", tied=False), path, "llama", MIXES[mix])
+    write_llama_cpp_gguf(tiny_model("llama", tied=tied), path, "llama", MIXES[mix])
     completions, logprobs = greedy_with_logprobs(path, PROMPTS, 12)
     agreement = agreement_with_transformers(dequantised_reference(path, tmp_path / "reference"), PROMPTS,
                                             completions, logprobs)
@@ -103,6 +107,7 @@ def test_layers_keep_their_blocks_unless_their_shards_differ(tmp_path: Path):
     assert forms["model.layers.0.self_attn.o_proj"] == "qweight Q4_0"
     assert forms["model.layers.1.mlp.gate_up_proj"] == "qweight Q4_0"
     assert forms["lm_head"] == "qweight Q4_0"
+    assert forms["model.embed_tokens"] == "qweight Q4_0"  # the embedding's rows stay in blocks too
 
 
 def test_the_dequantized_option_keeps_every_layer_float(tmp_path: Path):
@@ -121,3 +126,25 @@ def test_smollm2_runs_from_its_q4_1_blocks_like_transformers_on_the_dequantised_
                                             completions, logprobs)
     assert agreement.fraction >= 0.95, agreement
     assert agreement.max_logprob_error < 1e-3, agreement
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_smollm2_weights_take_under_30_percent_of_their_float32_size():
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    forms = linear_forms(llm)
+    assert forms["model.embed_tokens"] == "qweight Q8_0"
+    assert forms["lm_head"] == "tied"  # multiplies by the embedding's Q8_0 blocks
+    assert forms["model.layers.0.self_attn.qkv_proj"] == forms["model.layers.29.mlp.gate_up_proj"] == "qweight Q4_1"
+    config = llm.engine.core.checkpoint.hf_config
+    float32_bytes = 4 * _parameter_count(config)
+    assert resident_weight_bytes(llm) <= 0.30 * float32_bytes
+
+
+def _parameter_count(config: object) -> int:
+    """The float model's parameters (its tied head counted once), from a meta-device transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -7,6 +7,7 @@ from typing import ClassVar
 from torch import nn
 
 from tokenmill.layers import QuantizationConfig
+from tokenmill_quant_gguf.embedding_method import GGUFEmbeddingMethod
 from tokenmill_quant_gguf.linear_method import GGUFLinearMethod
 
 
@@ -15,8 +16,9 @@ class GGUFConfig(QuantizationConfig):
 
     Chosen for every checkpoint the GGUF loader produced (``Checkpoint.format``
     ``gguf``). Every linear layer gets a :class:`GGUFLinearMethod` (the loader gives
-    every linear weight as blocks); the token embedding and the norms come
-    dequantised. Q4_0, Q4_1 and Q8_0 layers stay quantized; other types are
+    every linear weight as blocks), and the token embedding a
+    :class:`GGUFEmbeddingMethod` (a tied lm_head multiplies by its blocks); the norms
+    come dequantised. Q4_0, Q4_1 and Q8_0 weights stay quantized; other types are
     dequantised at load.
     """
 
@@ -25,6 +27,9 @@ class GGUFConfig(QuantizationConfig):
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
         return GGUFLinearMethod(dequantize=self.dequantize)
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> GGUFEmbeddingMethod:
+        return GGUFEmbeddingMethod(dequantize=self.dequantize)
 
 
 class GGUFDequantizedConfig(GGUFConfig):

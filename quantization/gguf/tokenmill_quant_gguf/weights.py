@@ -1,9 +1,9 @@
 """GGUF tensors as HF-named torch tensors, one at a time: a linear layer's weight as its
 stored blocks, every other tensor dequantised.
 
-A 2-d weight other than the token embedding belongs to a linear layer, whose GGUF
-method (:mod:`tokenmill_quant_gguf.linear_method`) takes it as two entries under the
-layer's prefix: ``qweight_type`` (a 0-d int64 tensor, the ggml type) and then
+A 2-d weight belongs to a linear layer or the token embedding, whose GGUF method
+(:mod:`tokenmill_quant_gguf.linear_method`, :mod:`~tokenmill_quant_gguf.embedding_method`)
+takes it as two entries under the layer's prefix: ``qweight_type`` (a 0-d int64 tensor, the ggml type) and then
 ``qweight`` (the rows' raw bytes, uint8 ``[rows, bytes per row]``). Whether the
 blocks stay quantized is that method's choice, not the file's.
 """
@@ -70,12 +70,9 @@ def iter_hf_weights(tensors: Sequence[ReaderTensor], dtype: torch.dtype, qk_layo
         yield hf_name, values
 
 
-EMBEDDING = "model.embed_tokens.weight"
-
-
-def is_linear_weight(hf_name: str, tensor: ReaderTensor) -> bool:
-    """A 2-d weight other than the token embedding: a linear layer's (norms are 1-d)."""
-    return hf_name.endswith(".weight") and len(tensor.shape) == 2 and hf_name != EMBEDDING
+def is_block_weight(hf_name: str, tensor: ReaderTensor) -> bool:
+    """A 2-d weight: a linear layer's or the embedding's (norms and biases are 1-d)."""
+    return hf_name.endswith(".weight") and len(tensor.shape) == 2
 
 
 def raw_rows(tensor: ReaderTensor) -> torch.Tensor:
@@ -86,14 +83,14 @@ def raw_rows(tensor: ReaderTensor) -> torch.Tensor:
 
 
 def iter_gguf_weights(tensors: Sequence[ReaderTensor], dtype: torch.dtype, qk_layout: QKLayout | None) -> WeightsIterator:
-    """Yield ``(hf_name, tensor)`` for every tensor: a linear weight ``<layer>.weight`` as
+    """Yield ``(hf_name, tensor)`` for every tensor: a 2-d weight ``<layer>.weight`` as
     ``<layer>.qweight_type`` and ``<layer>.qweight`` (its rows in HF order, still blocks),
     every other tensor dequantised to ``dtype`` as :func:`iter_hf_weights` does."""
     for tensor in tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        if not is_linear_weight(hf_name, tensor):
+        if not is_block_weight(hf_name, tensor):
             yield from iter_hf_weights((tensor,), dtype, qk_layout)
             continue
         rows = raw_rows(tensor)
