@@ -65,7 +65,7 @@ class GGUFEmbeddingMethod:
             table.register_buffer("qweight", self._rows)
         else:
             weight = dequantize_rows(self._rows, self._type, table.embedding_dim).to(self.params_dtype)
-            table.register_buffer("weight", weight)
+            table.weight = nn.Parameter(weight, requires_grad=False)  # a float table, as without a method
             table.register_buffer("prepared_weight", layer_ops(weight.device).prepare_linear_weight(weight),
                                   persistent=False)
         self._rows = None

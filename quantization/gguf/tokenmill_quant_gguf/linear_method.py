@@ -92,8 +92,7 @@ class GGUFLinearMethod:
         else:
             weight = torch.cat([dequantize_rows(part, self._types[shard], linear.in_features)
                                 for shard, part in zip(shards, rows, strict=True)])
-            weight = weight.to(linear.params_dtype)
-            linear.register_buffer("weight", weight)
+            weight = linear.add_parameter("weight", weight.to(linear.params_dtype), output_dim=0, input_dim=1)
             linear.register_buffer("prepared_weight", layer_ops(weight.device).prepare_linear_weight(weight),
                                    persistent=False)
             reason = "as asked" if self.dequantize else "no kernel keeps this type (or mix of types) quantized"
