@@ -199,13 +199,13 @@ TINY_ARCHS = {
 }
 
 
-def tiny_model(arch: str, tied: bool) -> PreTrainedModel:
+def tiny_model(arch: str, tied: bool, intermediate_size: int = 96) -> PreTrainedModel:
     """Hidden 64, 2 layers, 4 heads, 2 kv heads; Qwen3 gets heads wider than hidden / heads."""
     config = AutoConfig.for_model(
         TINY_ARCHS[arch][0],
         vocab_size=TINY_VOCAB,
         hidden_size=64,
-        intermediate_size=96,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -117,6 +117,25 @@ def test_the_dequantized_option_keeps_every_layer_float(tmp_path: Path):
     assert set(linear_forms(llm).values()) == {"weight torch.float32"}
 
 
+def test_two_ranks_split_the_blocks_and_match_one_rank(tmp_path: Path):
+    # Intermediate 128: down_proj's input splits into 64 values a rank, two whole Q4_0 blocks.
+    path = tmp_path / "tiny-tp.gguf"
+    write_llama_cpp_gguf(tiny_model("llama", tied=True, intermediate_size=128), path, "llama", MIXES["Q4_0"])
+    one = greedy_with_logprobs(path, PROMPTS[:4], 8)
+    two = greedy_with_logprobs(path, PROMPTS[:4], 8, tensor_parallel_size=2)
+    assert two[0] == one[0]
+    assert max(abs(a - b) for ours, theirs in zip(one[1], two[1], strict=True)
+               for a, b in zip(ours, theirs, strict=True)) < 1e-4
+
+
+def test_a_rank_split_inside_a_block_is_refused_at_load(tmp_path: Path):
+    # Intermediate 96 over two ranks: 48 values of down_proj's input each, not whole 32-value blocks.
+    path = tmp_path / "tiny-tp.gguf"
+    write_llama_cpp_gguf(tiny_model("llama", tied=True), path, "llama", MIXES["Q8_0"])
+    with pytest.raises(Exception, match="48 input features per rank split Q8_0 blocks of 32 values"):
+        LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", tensor_parallel_size=2)
+
+
 @pytest.mark.slow
 @requires_smollm2
 def test_smollm2_runs_from_its_q4_1_blocks_like_transformers_on_the_dequantised_weights(tmp_path: Path):
