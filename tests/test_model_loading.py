@@ -71,9 +71,11 @@ def test_default_gguf_model_matches_transformers_on_its_weights(default_llm):
     import torch
     from transformers import LlamaForCausalLM
 
+    from tokenmill_quant_gguf.weights import dequantized_weights
+
     checkpoint = default_llm.engine.core.checkpoint
     model = LlamaForCausalLM(checkpoint.hf_config).float()
-    missing, unexpected = model.load_state_dict(dict(checkpoint.weights()), strict=False)
+    missing, unexpected = model.load_state_dict(dict(dequantized_weights(checkpoint.weights())), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
     tokenizer = default_llm.get_tokenizer()

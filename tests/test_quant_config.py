@@ -16,7 +16,8 @@ from tokenmill.layers import Linear
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.quant_config import resolve_quant_config
 from tokenmill.plugins.manager import get_plugin_manager
-from tokenmill_quant_gguf.method import GGUFDequantized
+from tokenmill_quant_gguf.linear_method import GGUFLinearMethod
+from tokenmill_quant_gguf.method import GGUFConfig
 
 
 def _checkpoint(quantization_config=None, format="safetensors") -> Checkpoint:
@@ -50,10 +51,10 @@ def test_an_explicit_option_picks_a_method_by_name():
     assert EngineConfig().quantization is None
 
 
-def test_a_single_file_format_picks_its_method_and_gguf_keeps_every_layer_float():
+def test_a_single_file_format_picks_its_method_and_gguf_gives_every_layer_its_blocks():
     config = _resolve(_checkpoint(format="gguf"))
-    assert isinstance(config, GGUFDequantized)
-    assert config.get_linear_method(Linear(4, 4), "model.layers.0.self_attn.qkv_proj") is None
+    assert isinstance(config, GGUFConfig)
+    assert isinstance(config.get_linear_method(Linear(4, 4), "model.layers.0.self_attn.qkv_proj"), GGUFLinearMethod)
 
 
 def test_an_unknown_method_is_a_typed_error_listing_the_installed_ones():

@@ -47,7 +47,9 @@ def count_weights(model: Any) -> WeightCounts:
     from torch import nn
 
     head = _lm_head_weight(model)
-    embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    # A quantized embedding (GGUF) has no float `weight`: its blocks are a `qweight` buffer.
+    embedding_ptrs = {m.weight.data_ptr() for m in model.modules()
+                      if isinstance(m, nn.Embedding) and isinstance(getattr(m, "weight", None), nn.Parameter)}
     body = lm_head = embedding = step_bytes = 0
     seen: set[int] = set()
     for param in model.parameters():
@@ -64,6 +66,10 @@ def count_weights(model: Any) -> WeightCounts:
         else:
             body += numel
             step_bytes += size
+    # Weights kept in quantized blocks (GGUF's `qweight` buffers; a tied head reads the
+    # embedding's) are read by every decode step too; only their bytes are known, not counts.
+    step_bytes += sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
+                      if name.endswith("qweight"))
     return WeightCounts(body, lm_head, embedding, step_bytes)
 
 

@@ -3,7 +3,7 @@
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
-from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
 from tokenmill.layers.linear import (
     Linear,
     LinearMethod,
@@ -44,6 +44,7 @@ __all__ = [
     "values_per_word",
     "Attention",
     "Communicator",
+    "EmbeddingMethod",
     "LayerOps",
     "Linear",
     "LinearMethod",

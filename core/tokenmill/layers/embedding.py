@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,25 @@ from torch import nn
 
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
-from tokenmill.layers.linear import default_weight_loader
+from tokenmill.layers.linear import LinearMethod, UnquantizedLinearMethod, default_weight_loader
+
+if TYPE_CHECKING:
+    from tokenmill.layers.linear import Linear
+
+
+class EmbeddingMethod(Protocol):
+    """How a quantized embedding table is stored and looked up (the quantization config's
+    ``get_embedding_method``). ``create_weights`` registers the table's parameters on
+    ``layer`` in place of the float ``weight`` (each with a ``weight_loader``); an optional
+    ``process_weights_after_loading(layer)`` runs once all are loaded; ``tied_head_method``
+    is the linear method of an lm_head that multiplies by this same table."""
+
+    def create_weights(self, layer: VocabEmbedding, num_rows: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None: ...
+
+    def embedding(self, layer: VocabEmbedding, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def tied_head_method(self, layer: VocabEmbedding) -> LinearMethod: ...
 
 
 class VocabEmbedding(nn.Embedding):
@@ -32,8 +51,11 @@ class VocabEmbedding(nn.Embedding):
         ctx = ctx if ctx is not None else ModelBuildContext(hf_config=None)
         world = ctx.world_size if parallel else 1
         rows = -(-num_embeddings // world)
-        table = torch.empty(rows, embedding_dim, dtype=ctx.params_dtype)
+        method = ctx.quant_config.get_embedding_method(self, ctx.prefix) if ctx.quant_config is not None else None
+        # A quantized table replaces `weight`: the float one is only a shape on the meta device.
+        table = torch.empty(rows, embedding_dim, dtype=ctx.params_dtype, device="meta" if method else None)
         super().__init__(rows, embedding_dim, _weight=table, _freeze=True)
+        self.quant_method: EmbeddingMethod | None = None
         self.prefix = ctx.prefix
         self.vocab_size = num_embeddings
         self.world_size = world
@@ -41,8 +63,24 @@ class VocabEmbedding(nn.Embedding):
         self.comm: Communicator = ctx.comm
         loader = functools.partial(_load_vocab_rows, self.vocab_start) if world > 1 else default_weight_loader
         self.weight.weight_loader = loader  # type: ignore[attr-defined]
+        if method is not None:
+            del self.weight
+            self.quant_method = method
+            method.create_weights(self, rows, embedding_dim, ctx.params_dtype)
+
+    def tied_head_method(self) -> LinearMethod:
+        """The linear method of an lm_head tied to this table (then :meth:`tie` it)."""
+        return self.quant_method.tied_head_method(self) if self.quant_method is not None else UnquantizedLinearMethod()
+
+    def tie(self, head: Linear) -> None:
+        """Make ``head`` multiply by this table: a float table is shared as its ``weight``;
+        a quantized one is read by the head's :meth:`tied_head_method`."""
+        if self.quant_method is None:
+            head.weight = self.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         if self.world_size == 1:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 if TYPE_CHECKING:
     from torch import nn
 
+    from tokenmill.layers.embedding import EmbeddingMethod
     from tokenmill.layers.linear import LinearMethod
 
 
@@ -32,4 +33,9 @@ class QuantizationConfig:
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method of the linear layer ``layer`` whose checkpoint prefix is
         ``prefix`` (``model.layers.0.mlp.down_proj``); None keeps it float."""
+        return None
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethod | None:
+        """The method of the token embedding ``layer`` at ``prefix``
+        (``model.embed_tokens``); None keeps a float table."""
         return None

@@ -30,7 +30,6 @@ from tokenmill.layers import (
     ModelBuildContext,
     ParallelLMHead,
     RMSNorm,
-    UnquantizedLinearMethod,
     VocabEmbedding,
     get_rotary_embedding,
     load_weight,
@@ -192,12 +191,13 @@ class Gemma2ForCausalLM(nn.Module):
         self.model = GemmaModel(config, ctx.child("model"), self.qk_norm)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        # A tied lm_head multiplies by the embedding table itself, so it stays float.
-        tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
+        # A tied lm_head multiplies by the embedding table itself, in the table's form: float, or
+        # the embedding method's (a GGUF table stays in its blocks).
+        tied_method = self.model.embed_tokens.tied_head_method() if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
                                       quant_method=tied_method)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.model.embed_tokens.tie(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the scheduled tokens."""

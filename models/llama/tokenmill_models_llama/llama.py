@@ -28,7 +28,6 @@ from tokenmill.layers import (
     ModelBuildContext,
     ParallelLMHead,
     RMSNorm,
-    UnquantizedLinearMethod,
     VocabEmbedding,
     get_rotary_embedding,
     layer_ops,
@@ -181,12 +180,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ctx.child("model"), flags)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied lm_head multiplies by the embedding table itself (the same rows of it on
-        # each rank), so it stays float.
-        tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
+        # each rank), in the table's form: float, or the embedding method's.
+        tied_method = self.model.embed_tokens.tied_head_method() if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
                                       quant_method=tied_method)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.model.embed_tokens.tie(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the scheduled tokens."""

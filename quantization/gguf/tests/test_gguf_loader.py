@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import quantize
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -26,6 +28,7 @@ from tokenmill_quant_gguf import default_model, tokenmill_register_quantization_
 from tokenmill_quant_gguf.loader import load_gguf_checkpoint
 from tokenmill_quant_gguf.metadata import GGUFMetadata
 from tokenmill_quant_gguf.tokenizer import chat_template
+from tokenmill_quant_gguf.weights import dequantized_weights
 
 
 def _smollm2_path() -> Path | None:
@@ -43,12 +46,13 @@ requires_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"needs `{default_
 
 
 def test_registers_gguf_method_and_loader() -> None:
-    (spec,) = tokenmill_register_quantization_methods(platform=None)
+    spec, dequantized = tokenmill_register_quantization_methods(platform=None)
+    assert (dequantized.name, dequantized.loader_qualname) == ("gguf-dequantized", None)
     assert spec.name == "gguf"
     assert spec.file_suffixes == (".gguf",)
     assert spec.checkpoint_aliases == ("gguf",)
     assert spec.loader_qualname == "tokenmill_quant_gguf.loader:load_gguf_checkpoint"
-    assert spec.qualname == "tokenmill_quant_gguf.method:GGUFDequantized"
+    assert spec.qualname == "tokenmill_quant_gguf.method:GGUFConfig"
     assert "gguf" in {ep.name for ep in entry_points(group="tokenmill.plugins")}
 
 
@@ -136,7 +140,7 @@ def test_smollm2_config_tokenizer_and_weights_match_transformers(smollm2_checkpo
         assert ours == reference_config[key], key
 
     seen = set()
-    for name, tensor in checkpoint.weights():
+    for name, tensor in dequantized_weights(checkpoint.weights()):
         assert name in reference, name
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, reference[name]), name
@@ -195,13 +199,13 @@ TINY_ARCHS = {
 }
 
 
-def tiny_model(arch: str, tied: bool) -> PreTrainedModel:
+def tiny_model(arch: str, tied: bool, intermediate_size: int = 96) -> PreTrainedModel:
     """Hidden 64, 2 layers, 4 heads, 2 kv heads; Qwen3 gets heads wider than hidden / heads."""
     config = AutoConfig.for_model(
         TINY_ARCHS[arch][0],
         vocab_size=TINY_VOCAB,
         hidden_size=64,
-        intermediate_size=96,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -233,7 +237,10 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens + specials, types + [control] * len(specials), merges
 
 
-def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str) -> None:
+def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str,
+                         quant_type: Callable[[str], gguf.GGMLQuantizationType] | None = None) -> None:
+    """``model`` as llama.cpp writes it; ``quant_type(hf_name)``: the ggml type of each 2-d
+    weight (default F32), packed by the gguf package's own quantizer."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -268,7 +275,12 @@ def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str) -> None:
             values = llama_cpp_permute(values, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             values = llama_cpp_permute(values, config.num_key_value_heads)
-        writer.add_tensor(llama_cpp_name(hf_name), np.ascontiguousarray(values, dtype=np.float32))
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        qtype = quant_type(hf_name) if quant_type is not None and values.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(llama_cpp_name(hf_name), values)
+        else:
+            writer.add_tensor(llama_cpp_name(hf_name), quantize(values, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -306,7 +318,7 @@ def test_tiny_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
     assert config.tie_word_embeddings is tied
 
     original = model.state_dict()
-    loaded = dict(checkpoint.weights())
+    loaded = dict(dequantized_weights(checkpoint.weights()))
     expected_names = set(original) - ({"lm_head.weight"} if tied else set())
     assert set(loaded) == expected_names
     for name, tensor in loaded.items():
@@ -324,7 +336,7 @@ def test_weights_come_in_the_requested_dtype(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_llama_cpp_gguf(model, path, "llama")
     original = model.state_dict()
-    for name, tensor in load_gguf_checkpoint(path, torch.bfloat16).weights():
+    for name, tensor in dequantized_weights(load_gguf_checkpoint(path, torch.bfloat16).weights(), torch.bfloat16):
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
 

@@ -15,17 +15,23 @@ TOKENMILL_PLUGIN_API = 1
 
 GGUF_METHOD = QuantMethodSpec(
     name="gguf",
-    qualname="tokenmill_quant_gguf.method:GGUFDequantized",
+    qualname="tokenmill_quant_gguf.method:GGUFConfig",
     checkpoint_aliases=("gguf",),
     file_suffixes=(".gguf",),
     loader_qualname="tokenmill_quant_gguf.loader:load_gguf_checkpoint",
+)
+# The same files with every linear layer dequantised at load: `quantization="gguf-dequantized"`.
+GGUF_DEQUANTIZED_METHOD = QuantMethodSpec(
+    name="gguf-dequantized",
+    qualname="tokenmill_quant_gguf.method:GGUFDequantizedConfig",
 )
 
 
 @hookimpl
 def tokenmill_register_quantization_methods(platform: Any) -> list[QuantMethodSpec]:
-    """GGUF works on every platform: its blocks are dequantised on the CPU at load time."""
-    return [GGUF_METHOD]
+    """GGUF works on every platform: Q4_0/Q4_1/Q8_0 layers multiply through the CPU kernel
+    or, elsewhere, the torch reference; other types are dequantised at load."""
+    return [GGUF_METHOD, GGUF_DEQUANTIZED_METHOD]
 
 
 @hookimpl

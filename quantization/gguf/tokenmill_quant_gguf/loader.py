@@ -13,16 +13,18 @@ from tokenmill_quant_gguf.architectures import architecture_of
 from tokenmill_quant_gguf.hf_config import build_hf_config, generation_defaults
 from tokenmill_quant_gguf.metadata import GGUFMetadata, read_metadata
 from tokenmill_quant_gguf.tokenizer import load_gguf_tokenizer
-from tokenmill_quant_gguf.weights import QKLayout, iter_hf_weights
+from tokenmill_quant_gguf.weights import QKLayout, iter_gguf_weights
 
 CHECKPOINT_FORMAT = "gguf"
 
 
 def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Config, tokenizer and lazily dequantised weights of a llama-family GGUF file.
+    """Config, tokenizer and lazily read weights of a llama-family GGUF file.
 
     ``weights()`` may be called more than once; each call walks the memory-mapped
-    file again and yields one ``dtype`` tensor at a time under HF names. With no
+    file again and yields one tensor at a time under HF names: a linear layer's
+    weight as its blocks (``qweight_type``, ``qweight``: :func:`iter_gguf_weights`),
+    the others dequantised to ``dtype``. With no
     ``output`` tensor in the file, ``hf_config.tie_word_embeddings`` is true and
     no ``lm_head.weight`` is yielded.
     """
@@ -40,7 +42,7 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(
         path=path,
         hf_config=hf_config,
-        weights=functools.partial(iter_hf_weights, tensors, dtype, qk_layout, arch.leaf_overrides,
+        weights=functools.partial(iter_gguf_weights, tensors, dtype, qk_layout, arch.leaf_overrides,
                                   arch.norm_weight_offset),
         tokenizer=load_gguf_tokenizer(path, metadata),
         generation_config=generation_defaults(metadata),

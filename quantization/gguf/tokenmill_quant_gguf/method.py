@@ -1,22 +1,40 @@
-"""The ``gguf`` quantization config, as the engine's model builder sees it."""
+"""The ``gguf`` quantization configs, as the engine's model builder sees them."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from torch import nn
+
 from tokenmill.layers import QuantizationConfig
+from tokenmill_quant_gguf.embedding_method import GGUFEmbeddingMethod
+from tokenmill_quant_gguf.linear_method import GGUFLinearMethod
 
 
-class GGUFDequantized(QuantizationConfig):
-    """GGUF checkpoints, dequantised to the model dtype while they load.
+class GGUFConfig(QuantizationConfig):
+    """GGUF checkpoints, their linear layers kept in the file's quantized blocks.
 
     Chosen for every checkpoint the GGUF loader produced (``Checkpoint.format``
-    ``gguf``). The loader (:func:`tokenmill_quant_gguf.loader.load_gguf_checkpoint`)
-    turns every quantized block back into dense values, so every linear layer stays
-    float: ``get_linear_method`` keeps the base class's answer, None. Later work keeps
-    the blocks quantized in memory and multiplies them with GGUF matmul kernels; that
-    is when this config returns methods of its own.
+    ``gguf``). Every linear layer gets a :class:`GGUFLinearMethod` (the loader gives
+    every linear weight as blocks), and the token embedding a
+    :class:`GGUFEmbeddingMethod` (a tied lm_head multiplies by its blocks); the norms
+    come dequantised. Q4_0, Q4_1 and Q8_0 weights stay quantized; other types are
+    dequantised at load.
     """
 
     name: ClassVar[str] = "gguf"
-    dequantized_on_load: ClassVar[bool] = True
+    dequantize: ClassVar[bool] = False
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
+        return GGUFLinearMethod(dequantize=self.dequantize)
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> GGUFEmbeddingMethod:
+        return GGUFEmbeddingMethod(dequantize=self.dequantize)
+
+
+class GGUFDequantizedConfig(GGUFConfig):
+    """``quantization="gguf-dequantized"``: every linear layer dequantised at load to the
+    model dtype (the float path: more memory, float matmuls)."""
+
+    name: ClassVar[str] = "gguf-dequantized"
+    dequantize: ClassVar[bool] = True
