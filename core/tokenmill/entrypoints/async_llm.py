@@ -30,9 +30,11 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
+from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling import finish_embedding
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -146,10 +148,21 @@ class AsyncLLM:
         return time.monotonic() - self._heartbeat
 
     # -- public API -------------------------------------------------------
-    async def embed(self, prompt: PromptType, pooling: str = "last", request_id: str | None = None) -> list[float]:
-        """The embedding of ``prompt`` (``last`` token or ``mean`` pooling of the final hidden states)."""
+    async def embed(self, prompt: PromptType, pooling: str = "auto", request_id: str | None = None,
+                    truncate_prompt_tokens: int | None = None, dimensions: int | None = None) -> list[float]:
+        """The embedding of ``prompt`` (``last`` token, ``cls`` (first) or ``mean`` pooling of the final
+        hidden states; ``auto``: the model's), normalised where the model's sentence-transformers
+        files say, truncated to ``dimensions`` for a Matryoshka model."""
+        check_classifier(self.engine.model_info, False, "embeddings")
+        vector = await self.pool(prompt, pooling, request_id, truncate_prompt_tokens)
+        return finish_embedding(vector, self.engine.model_info.pooler, dimensions)
+
+    async def pool(self, prompt: PromptType, pooling: str = "auto", request_id: str | None = None,
+                   truncate_prompt_tokens: int | None = None) -> list[float]:
+        """The pooled output of ``prompt`` as the model computes it: a raw embedding, or a
+        classifier's logits."""
         final = None
-        async for output in self._stream(prompt, None, request_id, 0, pooling):
+        async for output in self._stream(prompt, None, request_id, 0, pooling, truncate_prompt_tokens=truncate_prompt_tokens):
             final = output
         if final is None or final.embedding is None:  # aborted (shutdown) or failed
             reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
@@ -173,12 +186,12 @@ class AsyncLLM:
 
     async def _stream(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                       priority: int, pooling: str | None, timeout: float | None = None,
-                      ) -> AsyncIterator[RequestOutput]:
+                      truncate_prompt_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:  # its outputs would go to the other stream
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling)
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling, truncate_prompt_tokens)
         self.admission.admit(request_id, len(prepared.prompt.token_ids) * len(prepared.requests))
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

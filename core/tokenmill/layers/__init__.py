@@ -1,5 +1,6 @@
 """Building blocks shared by model, quantization and attention plugins."""
 
+from tokenmill.attention.encoder import EncoderBatch, bidirectional_attention
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
@@ -23,6 +24,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_
 __all__ = [
     "Attention",
     "Communicator",
+    "EncoderBatch",
     "LayerOps",
     "Linear",
     "LinearMethod",
@@ -37,6 +39,7 @@ __all__ = [
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "WeightLoader",
+    "bidirectional_attention",
     "default_weight_loader",
     "get_rotary_embedding",
     "layer_ops",
