@@ -26,14 +26,15 @@ def build_tokenizer(folder: Path) -> Any:
 
 
 def build_bert(folder: Path, architecture: str, *, num_labels: int = 1, pooling: str | None = None,
-               normalize: bool = False, seed: int = 0) -> Path:
+               normalize: bool = False, seed: int = 0, max_position_embeddings: int = 64) -> Path:
     """``architecture``: BertModel or BertForSequenceClassification. ``pooling`` ("mean", "cls",
     "lasttoken") writes sentence-transformers files; ``normalize`` adds their Normalize module."""
     import transformers
 
     tokenizer = build_tokenizer(folder)
     config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=max_position_embeddings,
                                      num_labels=num_labels, pad_token_id=0)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config)

@@ -141,3 +141,28 @@ def test_runner_and_task_choose_the_pooling_runner_and_refuse_a_mismatch(tmp_pat
     with pytest.raises(ValueError, match="task='embed' needs runner='pooling'"):
         LLM(str(folder), task="embed", runner="generate")
     assert LLM(str(llama_path), dtype="float32", num_kv_blocks=64).engine.model_info.runner == "generate"
+
+
+def test_a_decoder_served_with_the_generate_runner_refuses_embeddings(llama_path):
+    llm = LLM(str(llama_path), runner="generate", dtype="float32", num_kv_blocks=64)
+    with pytest.raises(InvalidRequestError, match="generate runner and does not support pooling"):
+        llm.embed("hello")
+
+
+def test_bench_embed_runs_both_sides_on_the_same_sentences(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tokenmill_cli.main import app
+
+    folder = build_bert(tmp_path / "bert", "BertModel", pooling="mean", normalize=True)
+    report = tmp_path / "embed.json"
+    result = CliRunner().invoke(app, ["bench", "embed", "--model", str(folder), "--dtype", "float32",
+                                      "--num-sentences", "12", "--batch-size", "4", "--min-len", "8",
+                                      "--max-len", "24", "--repeats", "1", "--output-json", str(report)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    numbers = json.loads(report.read_text())
+    assert numbers["num_sentences"] == 12 and 8 <= numbers["tokens_min"] <= numbers["tokens_max"] <= 24
+    assert numbers["min_cosine"] >= 0.9999  # both sides embedded the same sentences alike
+    assert numbers["speedup"] == pytest.approx(numbers["tokenmill_sentences_per_s"] / numbers["hf_sentences_per_s"])

@@ -81,11 +81,16 @@ def finish_embedding(vector: list[float], config: PoolerConfig | None, dimension
     return vector
 
 
-def check_dimensions(config: PoolerConfig | None, size: int, dimensions: int) -> None:
-    allowed = config.matryoshka_dimensions if config is not None else ()
-    if allowed == ():
+def check_matryoshka(config: PoolerConfig | None) -> None:
+    """``dimensions`` is only for models trained to be truncated."""
+    if config is None or config.matryoshka_dimensions == ():
         raise InvalidRequestError("dimensions is only supported by Matryoshka models; this model's embeddings "
-                                  f"have {size} dimensions", param="dimensions")
+                                  "have their own fixed width", param="dimensions")
+
+
+def check_dimensions(config: PoolerConfig | None, size: int, dimensions: int) -> None:
+    check_matryoshka(config)
+    allowed = config.matryoshka_dimensions if config is not None else ()
     if not 1 <= dimensions <= size or (allowed is not None and dimensions not in allowed):
         raise InvalidRequestError(f"dimensions must be one of {list(allowed) if allowed else f'1..{size}'}, "
                                   f"got {dimensions}", param="dimensions")

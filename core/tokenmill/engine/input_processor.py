@@ -42,7 +42,7 @@ class InputProcessor:
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """Tokenize and check ``prompt``. ``pooling``: for an embedding or score request, whose
         prompt may take the whole context. ``truncate_prompt_tokens``: keep at most that many
-        tokens (-1: as many as allowed); a text is truncated by the tokenizer, which keeps its
+        tokens (-1, or more than the model takes: as many as it takes); a text is truncated by the tokenizer, which keeps its
         special tokens ([CLS] ... [SEP]), token ids by dropping the tail."""
         if truncate_prompt_tokens is not None:
             prompt = self._truncated(prompt, self._truncation_length(truncate_prompt_tokens, pooling))
@@ -54,10 +54,10 @@ class InputProcessor:
         limit = self.max_pooling_prompt if pooling and self.max_pooling_prompt else self.max_model_len - 1
         if truncate_prompt_tokens == -1:
             return limit
-        if not 1 <= truncate_prompt_tokens <= limit:
-            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or 1..{limit}, got {truncate_prompt_tokens}",
+        if truncate_prompt_tokens < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}",
                                       param="truncate_prompt_tokens")
-        return truncate_prompt_tokens
+        return min(truncate_prompt_tokens, limit)  # more than the model takes: as many as it takes
 
     def _truncated(self, prompt: PromptType, length: int) -> PromptType:
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, Mapping) else None

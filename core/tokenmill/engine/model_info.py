@@ -28,6 +28,7 @@ class ModelInfo:
     pooler: PoolerConfig | None = None  # how embedding requests pool; None: the model cannot pool
     is_encoder: bool = False  # bidirectional: every prompt runs whole (at most max_prompt_tokens), nothing is generated
     classifies: bool = False  # its pooled output is class logits (a cross-encoder / classifier head)
+    class_labels: tuple[str, ...] = ()  # a classifier's label names, by class index (config.json's id2label)
     max_prompt_tokens: int = 0  # the longest prompt a pooling request may have (0: max_model_len - 1)
 
     @property

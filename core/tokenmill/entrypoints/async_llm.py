@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
@@ -154,13 +154,14 @@ class AsyncLLM:
         hidden states; ``auto``: the model's), normalised where the model's sentence-transformers
         files say, truncated to ``dimensions`` for a Matryoshka model."""
         check_classifier(self.engine.model_info, False, "embeddings")
-        vector = await self.pool(prompt, pooling, request_id, truncate_prompt_tokens)
-        return finish_embedding(vector, self.engine.model_info.pooler, dimensions)
+        output = await self.pool(prompt, pooling, request_id, truncate_prompt_tokens)
+        return finish_embedding(cast(list[float], output.embedding), self.engine.model_info.pooler, dimensions)
 
     async def pool(self, prompt: PromptType, pooling: str = "auto", request_id: str | None = None,
-                   truncate_prompt_tokens: int | None = None) -> list[float]:
-        """The pooled output of ``prompt`` as the model computes it: a raw embedding, or a
-        classifier's logits."""
+                   truncate_prompt_tokens: int | None = None) -> RequestOutput:
+        """The final output of a pooling request: its ``embedding`` is the pooled vector as the
+        model computes it (a raw embedding, or a classifier's logits), its ``prompt_token_ids``
+        what was pooled over (after truncation)."""
         final = None
         async for output in self._stream(prompt, None, request_id, 0, pooling, truncate_prompt_tokens=truncate_prompt_tokens):
             final = output
@@ -168,7 +169,7 @@ class AsyncLLM:
             reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
             raise RuntimeError(f"the embedding request ended without a result ({reason}: "
                                f"{final.error if final is not None else None})")
-        return final.embedding
+        return final
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, priority: int = 0,

@@ -16,13 +16,16 @@ from tokenmill.errors import InvalidRequestError
 
 
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing: one ``text_1`` against each ``text_2``, or equally long lists zipped."""
+    """vLLM's pairing: one ``text_1`` against each ``text_2`` (or each ``text_1`` against one
+    ``text_2``), or equally long lists zipped."""
     first = [text_1] if isinstance(text_1, str) else list(text_1)
     second = [text_2] if isinstance(text_2, str) else list(text_2)
     if not first or not second:
         raise InvalidRequestError("score needs at least one text on each side", param="text_1")
     if len(first) == 1:
         first = first * len(second)
+    elif len(second) == 1:
+        second = second * len(first)
     if len(first) != len(second):
         raise InvalidRequestError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or "
                                   "as many as text_2", param="text_2")
@@ -54,10 +57,10 @@ def cross_encoder_score(logits: list[float]) -> float:
 
 
 def check_classifier(info: ModelInfo, wanted: bool, what: str) -> None:
-    """Classify needs a classification head; embed needs a model without one."""
-    if info.pooler is None or (info.runner != "pooling" and wanted):
-        raise InvalidRequestError(f"{what}: the model {info.architecture} runs the {info.runner} runner, which "
-                                  "does not classify", param="model")
+    """Classify needs a classification head; embed needs a model without one. (A model that
+    does not pool at all is refused by ``check_runner``, naming its runner.)"""
+    if info.pooler is None and not wanted:
+        return
     if info.classifies != wanted:
         kind = "a classifier (use classify or score)" if info.classifies else "an embedding model (use embed)"
         raise InvalidRequestError(f"{what}: the model {info.architecture} is {kind}", param="model")
