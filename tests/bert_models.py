@@ -16,11 +16,12 @@ WORDS = ("the a is on of and to in what where who how cat dog man woman food bre
 def build_tokenizer(folder: Path) -> Any:
     from transformers import BertTokenizerFast
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz.,?!",
-             *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
+    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS,
+                                *"abcdefghijklmnopqrstuvwxyz.,?!", *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    tokenizer = BertTokenizerFast(vocab=str(folder / "vocab.txt"), do_lower_case=True)  # transformers 5: vocab=
+    assert len(tokenizer) == len(vocab), "the WordPiece vocabulary was not read"
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -38,10 +39,14 @@ def build_bert(folder: Path, architecture: str, *, num_labels: int = 1, pooling:
                                      num_labels=num_labels, pad_token_id=0)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config)
-    with torch.no_grad():  # random norms and biases too, so a misplaced one shows
-        for name, param in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
-                param.normal_(0.5 if name.endswith("weight") else 0.0, 0.2)
+    with torch.no_grad():  # weights large enough that every input (and token type) moves the output,
+        for name, param in model.named_parameters():  # and random norms and biases, so a misplaced one shows
+            if "LayerNorm" in name and name.endswith("weight"):
+                param.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 1.0 if "embeddings" in name else 0.3)
     model.save_pretrained(folder)
     if pooling is not None:
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
