@@ -51,6 +51,12 @@ class EngineConfig(BaseModel):
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16", json_schema_extra=cli(_MODEL))
     max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's)",
                                       json_schema_extra=cli(_MODEL))
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto", description="generate (sample tokens) or pooling (embeddings, scores, classes); auto: from the "
+                            "model's architecture", json_schema_extra=cli(_MODEL))
+    task: Literal["auto", "generate", "embed", "classify", "score"] = Field(
+        "auto", description="vLLM's older name for the runner: embed, classify and score run the pooling runner",
+        json_schema_extra=cli(_MODEL))
 
     block_size: int = Field(16, ge=1, description="Tokens per KV block", json_schema_extra=cli(_KV))
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of shared prefixes",
@@ -118,6 +124,18 @@ class EngineConfig(BaseModel):
             if int(data.get("tensor_parallel_size") or 1) > 1:
                 data["distributed_executor_backend"] = "mp"
         return data
+
+    @model_validator(mode="after")
+    def _runner_from_task(self) -> EngineConfig:
+        """``task`` picks the runner when ``runner`` is left to auto; the two must not disagree."""
+        if self.task == "auto":
+            return self
+        wanted = "generate" if self.task == "generate" else "pooling"
+        if self.runner not in ("auto", wanted):
+            raise ValueError(f"task={self.task!r} needs runner={wanted!r}, not {self.runner!r}")
+        if self.runner == "auto":
+            object.__setattr__(self, "runner", wanted)  # validate_assignment would re-run this validator
+        return self
 
     @field_validator("plugin_options")
     @classmethod

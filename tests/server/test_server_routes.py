@@ -63,7 +63,7 @@ def test_embedding_forms_and_pooling(client, http):
 def test_embedding_errors(http):
     assert http.post("/v1/embeddings", json={"input": "hi", "dimensions": 8}).json()["error"]["param"] == "dimensions"
     assert http.post("/v1/embeddings", json={"input": []}).json()["error"]["param"] == "input"
-    assert http.post("/v1/embeddings", json={"input": "hi", "pooling": "cls"}).json()["error"]["param"] == "pooling"
+    assert http.post("/v1/embeddings", json={"input": "hi", "pooling": "max"}).json()["error"]["param"] == "pooling"
     too_long = http.post("/v1/embeddings", json={"input": list(range(5, 300))})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input"
 

@@ -75,7 +75,11 @@ def _schema_expressible(body: Any) -> bool:
     if body.get("continue_final_message") and isinstance(messages, list) and messages and not (
             isinstance(messages[-1], dict) and messages[-1].get("content")):
         return False  # continuing the last message needs it to have content
-    return all(_size(body.get(field)) <= _MAX_PROMPT for field in ("prompt", "input", "messages"))
+    sides = [len(t) for t in (body.get("text_1"), body.get("text_2")) if isinstance(t, list) and len(t) > 1]
+    if len(set(sides)) > 1:
+        return False  # score: two lists of texts must be equally long
+    return all(_size(body.get(field)) <= _MAX_PROMPT
+               for field in ("prompt", "input", "messages", "query", "documents", "text_1", "text_2"))
 
 
 def _number(value: Any) -> bool:

@@ -48,6 +48,9 @@ def build_bench_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Type
         engine_command(latency, config_cls, **spelling))
     bench_app.command("serve", help="Load a running OpenAI-compatible server: Poisson arrivals or a concurrency cap.")(
         serve)
+    bench_app.command("embed", help="Embedding throughput (sentences/s) of a pooling model against "
+                                     "sentence-transformers-style transformers pooling.")(
+        engine_command(embed, config_cls, **spelling))
     bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark.")(
         random_model)
     return bench_app
@@ -281,3 +284,24 @@ def random_model(
     params = _guarded(lambda: write_random_model(output, sizes, seed, dtype))
     shape = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in asdict(sizes).items())
     typer.echo(f"wrote {output}: {params / 1e6:.1f}M parameters ({shape})")
+
+
+def embed(
+    engine: EngineConfig,
+    num_sentences: Annotated[int, typer.Option(min=1, help="Sentences per timed pass")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="The baseline's batch size (and tokenmill's max_num_seqs "
+                                                        "at least)")] = 64,
+    min_len: Annotated[int, typer.Option(min=3, help="Shortest sentence, in tokens")] = 32,
+    max_len: Annotated[int, typer.Option(min=3, help="Longest sentence, in tokens")] = 128,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed passes after the warm-up")] = 3,
+    skip_hf: Annotated[bool, typer.Option(help="Time tokenmill alone")] = False,
+    output_json: OutputJson = None,
+) -> None:
+    """Embedding throughput of tokenmill and of transformers with sentence-transformers pooling."""
+    from tokenmill_cli.bench.embed import run_embed_bench
+
+    result = _guarded(lambda: run_embed_bench(engine, num_sentences, batch_size, min_len, max_len, repeats,
+                                              engine.seed, skip_hf))
+    for key, value in result.items():
+        typer.echo(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
+    _finish(result, output_json)

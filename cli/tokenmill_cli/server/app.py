@@ -16,6 +16,8 @@ from tokenmill_cli.server.lifecycle import Lifecycle
 from tokenmill_cli.server.messages_api import router as messages_router
 from tokenmill_cli.server.metrics import ServerMetrics
 from tokenmill_cli.server.openapi import install_openapi
+from tokenmill_cli.server.pooling_routes import classify_router
+from tokenmill_cli.server.pooling_routes import router as pooling_router
 from tokenmill_cli.server.response_store import ResponseStore
 from tokenmill_cli.server.settings import ServerSettings
 from tokenmill_cli.server.state import ServerState
@@ -48,6 +50,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool 
                                    response_store=ResponseStore(settings.max_stored_responses))
     for router in ROUTERS:
         app.include_router(router)
+    if engine.model_info.pooler is not None:  # score and rerank: a model that pools (cross-encoder or embeddings)
+        app.include_router(pooling_router)
+    if engine.model_info.classifies:
+        app.include_router(classify_router)
     if settings.enable_metrics:
         app.include_router(metrics.router)
     install_error_handlers(app)

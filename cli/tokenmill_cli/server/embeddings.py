@@ -1,4 +1,5 @@
-"""``POST /v1/embeddings``: pooled hidden states of a decoder model (last token or mean)."""
+"""``POST /v1/embeddings``: an encoder's embeddings, pooled as the model says (a sentence-transformers
+folder's mean / CLS / last pooling and normalisation), or a decoder's pooled hidden states."""
 
 from __future__ import annotations
 
@@ -6,15 +7,19 @@ import asyncio
 import base64
 import sys
 from array import array
+from typing import cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import InvalidRequestError
+from tokenmill.pooling import check_matryoshka, finish_embedding
 from tokenmill_cli.server.completions import engine_prompts
-from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError
+from tokenmill_cli.server.errors import ERROR_RESPONSES
 from tokenmill_cli.server.lifecycle import check_admitting
+from tokenmill_cli.server.pooling_protocol import check_truncate
 from tokenmill_cli.server.protocol import EmbeddingRequest
 from tokenmill_cli.server.responses import EmbeddingData, EmbeddingResponse, Usage
 from tokenmill_cli.server.state import ServerState, State
@@ -31,31 +36,30 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Stat
 
 async def _serve(body: EmbeddingRequest, state: ServerState) -> Response:
     model = state.model_name(body.model)
-    if body.dimensions is not None:
-        raise InvalidRequestError("dimensions is not supported: embeddings have the model's hidden size",
-                                  param="dimensions")
-    embed = getattr(state.engine, "embed", None)
-    if embed is None:
-        raise APIError(501, "this engine cannot compute embeddings yet", code="not_implemented")
-    # Tokenized here so usage counts exactly what the engine pooled over.
-    token_ids = [_token_ids(state, prompt) for prompt in engine_prompts(body.input, param="input")]
+    info = state.engine.model_info
+    check_truncate(body.truncate_prompt_tokens)
+    check_classifier(info, False, "embeddings")
+    if body.dimensions is not None:  # before any work; the vector's own width is checked once known
+        check_matryoshka(info.pooler)
+    prompts = engine_prompts(body.input, param="input")
+    for prompt in prompts:
+        _check_not_empty(prompt)
     try:
-        vectors = await asyncio.gather(*[embed({"prompt_token_ids": ids}, pooling=body.pooling) for ids in token_ids])
+        outputs = await asyncio.gather(*[state.engine.pool(p, body.pooling or "auto",
+                                                           truncate_prompt_tokens=body.truncate_prompt_tokens)
+                                         for p in prompts])
     except InvalidRequestError as exc:  # the engine calls it the prompt; here it is the input
         raise InvalidRequestError(str(exc), param="input" if exc.param == "prompt" else exc.param) from exc
+    vectors = [finish_embedding(cast(list[float], o.embedding), info.pooler, body.dimensions) for o in outputs]
     data = [EmbeddingData(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(vectors)]
-    total = sum(len(ids) for ids in token_ids)
+    total = sum(len(o.prompt_token_ids) for o in outputs)  # what the engine pooled over, after truncation
     response = EmbeddingResponse(data=data, model=model, usage=Usage(prompt_tokens=total, total_tokens=total))
     return JSONResponse(response.model_dump())
 
 
-def _token_ids(state: ServerState, prompt: object) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("input must not be an empty string", param="input")
-        return list(state.tokenizer.encode(prompt))
-    assert isinstance(prompt, dict)
-    return list(prompt["prompt_token_ids"])
+def _check_not_empty(prompt: object) -> None:
+    if prompt == "":
+        raise InvalidRequestError("input must not be an empty string", param="input")
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -282,10 +282,15 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
 class EmbeddingRequest(_Request):
     input: Prompt = Field(description="text, texts, token ids or lists of token ids")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int | None, WithJsonSchema({"type": "null", "description": "not supported: embeddings "
-                                                                               "have the model's width"})] = None
+    # Only a Matryoshka model takes it (any other answers 400), so the schema offers none.
+    dimensions: Annotated[int | None, WithJsonSchema({"type": "null", "description": "truncate the embeddings "
+                                                      "to this many dimensions: Matryoshka models only"})] = None
     user: str | None = None
-    pooling: Literal["last", "mean"] = Field("last", description="last token's hidden state, or the mean of all")
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None, description="last token's hidden state, the first (cls), or the mean of all; default: the model's")
+    truncate_prompt_tokens: Annotated[int | None, WithJsonSchema({
+        "anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}],
+        "description": "keep at most this many tokens of each input (-1: the model's maximum)"})] = None
 
 
 class TokenizeCompletionRequest(_Request):

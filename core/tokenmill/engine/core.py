@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.model_info import ModelInfo
+from tokenmill.engine.runner import choose_runner
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
@@ -45,6 +46,7 @@ class EngineCore:
         self.checkpoint = load_checkpoint(config.model or default_model(self.plugins), self.plugins, self.platform,
                                           self.dtype, config.revision, config.tokenizer)
         self.max_model_len = _max_model_len(config, self.checkpoint)
+        self.runner = choose_runner(config, self.checkpoint, self.plugins)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
         check_tensor_parallel(self.checkpoint.hf_config, config.tensor_parallel_size)  # before any worker starts
@@ -66,12 +68,15 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            non_causal_prefill=self.runner.is_encoder,
         ), self.kv_manager, self.structured_output)
         self._building_thread = threading.get_ident()
         self._warned_thread = False
 
     def _init_kv_cache(self) -> int:
         per_block = self.executor.kv_bytes_per_block()
+        if per_block == 0:  # an encoder caches nothing: its blocks only count the tokens it runs
+            return self.config.num_kv_blocks or self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         num_blocks = self.config.num_kv_blocks or self.executor.kv_cache_budget() // per_block
         needed = -(-self.max_model_len // self.config.block_size)
         if num_blocks < needed:
@@ -97,6 +102,7 @@ class EngineCore:
             device_type=self.platform.device_type,
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.config.block_size,
+            **self.runner.model_info_fields(self.max_model_len, self.config.max_num_batched_tokens),
         )
 
     def model_info(self) -> ModelInfo:

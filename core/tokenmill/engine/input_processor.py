@@ -13,7 +13,7 @@ from tokenmill.structured_output.params import StructuredOutputsParams
 
 # A text prompt, or vLLM's dict forms: {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 @dataclass
@@ -35,8 +35,40 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = extra_stop_token_ids
+        # The longest prompt of a pooling request (an encoder may use every position); 0: as generating.
+        self.max_pooling_prompt = 0
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, pooling: bool = False,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """Tokenize and check ``prompt``. ``pooling``: for an embedding or score request, whose
+        prompt may take the whole context. ``truncate_prompt_tokens``: keep at most that many
+        tokens (-1, or more than the model takes: as many as it takes); a text is truncated by the tokenizer, which keeps its
+        special tokens ([CLS] ... [SEP]), token ids by dropping the tail."""
+        if truncate_prompt_tokens is not None:
+            prompt = self._truncated(prompt, self._truncation_length(truncate_prompt_tokens, pooling))
+        processed = self._process(prompt)
+        self._validate(processed.token_ids, pooling)
+        return processed
+
+    def _truncation_length(self, truncate_prompt_tokens: int, pooling: bool) -> int:
+        limit = self.max_pooling_prompt if pooling and self.max_pooling_prompt else self.max_model_len - 1
+        if truncate_prompt_tokens == -1:
+            return limit
+        if truncate_prompt_tokens < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}",
+                                      param="truncate_prompt_tokens")
+        return min(truncate_prompt_tokens, limit)  # more than the model takes: as many as it takes
+
+    def _truncated(self, prompt: PromptType, length: int) -> PromptType:
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, Mapping) else None
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return {**prompt, "prompt_token_ids": list(prompt["prompt_token_ids"])[:length]}
+        if isinstance(text, str) and text and self.tokenizer is not None:
+            ids = self.tokenizer(text, truncation=True, max_length=length)["input_ids"]
+            return {"prompt": text, "prompt_token_ids": list(ids)}
+        return prompt
+
+    def _process(self, prompt: PromptType) -> ProcessedPrompt:
         if prompt == "" or (isinstance(prompt, Mapping) and prompt.get("prompt") == ""):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if isinstance(prompt, str):
@@ -49,7 +81,6 @@ class InputProcessor:
         else:
             raise InvalidRequestError(
                 "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}", param="prompt")
-        self._validate(processed.token_ids)
         return processed
 
     def _encode(self, text: str) -> list[int]:
@@ -57,10 +88,15 @@ class InputProcessor:
             raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids", param="prompt")
         return list(self.tokenizer.encode(text))
 
-    def _validate(self, token_ids: list[int]) -> None:
+    def _validate(self, token_ids: list[int], pooling: bool = False) -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(token_ids) >= self.max_model_len:
+        if pooling and self.max_pooling_prompt:
+            if len(token_ids) > self.max_pooling_prompt:
+                raise InvalidRequestError(
+                    f"the input has {len(token_ids)} tokens, more than this encoder's {self.max_pooling_prompt} "
+                    "positions (set truncate_prompt_tokens to truncate it)", param="prompt")
+        elif len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within the model's "
                 f"context of {self.max_model_len} tokens (max_model_len)", param="prompt")

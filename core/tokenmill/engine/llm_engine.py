@@ -12,8 +12,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.deadlines import Deadlines
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import InvalidStateTransition
+from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
@@ -44,6 +45,8 @@ class LLMEngine:
                                               self.model_info.vocab_size, self.model_info.eos_token_id,
                                               list(self.model_info.extra_stop_token_ids),
                                               validate_structured_outputs=self.core.structured_output.validate)
+        if self.model_info.is_encoder:
+            self.input_processor.max_pooling_prompt = self.model_info.max_prompt_tokens
         # The scheduler's stats as of the last step (or abort): what the front end reads.
         self.scheduler_stats: SchedulerSnapshot = self.core.make_stats()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -69,10 +72,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                        priority: int = 0, pooling: str | None = None) -> PreparedRequest:
+                        priority: int = 0, pooling: str | None = None,
+                        truncate_prompt_tokens: int | None = None) -> PreparedRequest:
         """Tokenize and validate; raises ``InvalidRequestError``. Touches no engine state,
-        so a front end may call it from any thread. ``pooling`` makes it an embedding request."""
-        processed = self.input_processor.process_prompt(prompt)
+        so a front end may call it from any thread. ``pooling`` makes it an embedding request
+        (``"auto"``: the model's own pooling)."""
+        pooling = check_runner(self.model_info, pooling)
+        processed = self.input_processor.process_prompt(prompt, pooling is not None, truncate_prompt_tokens)
         if pooling is not None:
             requests = [self.input_processor.make_pooling_request(request_id, processed, pooling)]
         else:
@@ -170,3 +176,19 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.core.shutdown()
 
+
+
+def check_runner(info: ModelInfo, pooling: str | None) -> str | None:
+    """The request's pooling type (``"auto"`` resolved to the model's), after checking that the
+    model's runner serves the kind of request it is: an encoder does not generate, and a model
+    without pooling support does not embed."""
+    name = info.architecture or info.path
+    if pooling is None:
+        if info.runner == "pooling":
+            raise InvalidRequestError(f"the model {name} runs the pooling runner: it computes embeddings and "
+                                      "scores, not completions", param="model")
+        return None
+    if info.pooler is None:
+        raise InvalidRequestError(f"the model {name} runs the {info.runner} runner and does not support pooling "
+                                  "(embeddings)", param="model")
+    return info.pooler.pooling if pooling == "auto" else pooling

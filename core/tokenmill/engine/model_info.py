@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.pooling import PoolerConfig
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -22,6 +24,12 @@ class ModelInfo:
     device_type: str  # the platform's device: "cpu", "cuda", ...
     num_kv_blocks: int  # KV cache blocks of block_size tokens
     block_size: int
+    runner: str = "generate"  # "generate" (samples tokens) or "pooling" (embeddings and scores only)
+    pooler: PoolerConfig | None = None  # how embedding requests pool; None: the model cannot pool
+    is_encoder: bool = False  # bidirectional: every prompt runs whole (at most max_prompt_tokens), nothing is generated
+    classifies: bool = False  # its pooled output is class logits (a cross-encoder / classifier head)
+    class_labels: tuple[str, ...] = ()  # a classifier's label names, by class index (config.json's id2label)
+    max_prompt_tokens: int = 0  # the longest prompt a pooling request may have (0: max_model_len - 1)
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -23,16 +23,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
+from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling import finish_embedding
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -146,16 +148,28 @@ class AsyncLLM:
         return time.monotonic() - self._heartbeat
 
     # -- public API -------------------------------------------------------
-    async def embed(self, prompt: PromptType, pooling: str = "last", request_id: str | None = None) -> list[float]:
-        """The embedding of ``prompt`` (``last`` token or ``mean`` pooling of the final hidden states)."""
+    async def embed(self, prompt: PromptType, pooling: str = "auto", request_id: str | None = None,
+                    truncate_prompt_tokens: int | None = None, dimensions: int | None = None) -> list[float]:
+        """The embedding of ``prompt`` (``last`` token, ``cls`` (first) or ``mean`` pooling of the final
+        hidden states; ``auto``: the model's), normalised where the model's sentence-transformers
+        files say, truncated to ``dimensions`` for a Matryoshka model."""
+        check_classifier(self.engine.model_info, False, "embeddings")
+        output = await self.pool(prompt, pooling, request_id, truncate_prompt_tokens)
+        return finish_embedding(cast(list[float], output.embedding), self.engine.model_info.pooler, dimensions)
+
+    async def pool(self, prompt: PromptType, pooling: str = "auto", request_id: str | None = None,
+                   truncate_prompt_tokens: int | None = None) -> RequestOutput:
+        """The final output of a pooling request: its ``embedding`` is the pooled vector as the
+        model computes it (a raw embedding, or a classifier's logits), its ``prompt_token_ids``
+        what was pooled over (after truncation)."""
         final = None
-        async for output in self._stream(prompt, None, request_id, 0, pooling):
+        async for output in self._stream(prompt, None, request_id, 0, pooling, truncate_prompt_tokens=truncate_prompt_tokens):
             final = output
         if final is None or final.embedding is None:  # aborted (shutdown) or failed
             reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
             raise RuntimeError(f"the embedding request ended without a result ({reason}: "
                                f"{final.error if final is not None else None})")
-        return final.embedding
+        return final
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, priority: int = 0,
@@ -173,12 +187,12 @@ class AsyncLLM:
 
     async def _stream(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                       priority: int, pooling: str | None, timeout: float | None = None,
-                      ) -> AsyncIterator[RequestOutput]:
+                      truncate_prompt_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:  # its outputs would go to the other stream
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling)
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling, truncate_prompt_tokens)
         self.admission.admit(request_id, len(prepared.prompt.token_ids) * len(prepared.requests))
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

@@ -10,8 +10,23 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.chat import Message, render_chat
+from tokenmill.entrypoints.scoring import (
+    check_classifier,
+    cross_encoder_score,
+    pair_max_length,
+    pair_prompt,
+    score_pairs,
+)
 from tokenmill.metrics.stats import StatLogger
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling import finish_embedding
+from tokenmill.pooling_outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    cosine_similarity,
+)
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -53,11 +68,50 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
-              use_tqdm: bool = False) -> list[RequestOutput]:
-        """Embed each prompt: the final hidden state of its last token (``last``) or the mean over its tokens."""
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "auto", use_tqdm: bool = False,
+              truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None) -> list[PoolingRequestOutput[EmbeddingOutput]]:
+        """Embed each prompt: the final hidden state of its last token (``last``), its first
+        (``cls``), or the mean over its tokens; ``auto``: as the model's sentence-transformers
+        files say (normalised where they say so), else the model family's default.
+        ``dimensions`` truncates a Matryoshka model's embeddings."""
+        info = self.engine.model_info
+        check_classifier(info, False, "embed")
+        pooled = self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
+                                     EmbeddingOutput(finish_embedding(_pooled(o), info.pooler, dimensions)))
+                for o in pooled]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
+                 truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput[ClassificationOutput]]:
+        """Each prompt's class logits and probabilities, from a model with a classification head."""
+        check_classifier(self.engine.model_info, True, "classify")
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput.from_logits(_pooled(o)))
+                for o in self._pool(prompts, "auto", use_tqdm, truncate_prompt_tokens)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = False,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput[ScoringOutput]]:
+        """Relevance of each ``text_2`` to ``text_1`` (or of the zipped pairs): a cross-encoder's
+        logit over the pair, or the cosine similarity of an embedding model's embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        info = self.engine.model_info
+        if not info.classifies:
+            firsts = self.embed([a for a, _ in pairs], use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+            seconds = self.embed([b for _, b in pairs], use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+            return [PoolingRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                                         ScoringOutput(cosine_similarity(a.embedding, b.embedding)))
+                    for a, b in zip(firsts, seconds, strict=True)]
+        max_length = pair_max_length(info, truncate_prompt_tokens)
+        prompts = [pair_prompt(self.engine.tokenizer, a, b, max_length) for a, b in pairs]
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(cross_encoder_score(_pooled(o))))
+                for o in self._pool(prompts, "auto", use_tqdm, None)]
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], pooling: str, use_tqdm: bool,
+              truncate_prompt_tokens: int | None) -> list[RequestOutput]:
+        """Run pooling requests; all are validated before any is queued."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        prepared = [self.engine.prepare_request(self.engine.next_request_id(), p, None, pooling=pooling)
+        prepared = [self.engine.prepare_request(self.engine.next_request_id(), p, None, pooling=pooling,
+                                                truncate_prompt_tokens=truncate_prompt_tokens)
                     for p in prompt_list]
         for request in prepared:
             self.engine.add_prepared(request)
@@ -98,6 +152,12 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _pooled(output: RequestOutput) -> list[float]:
+    if output.embedding is None:
+        raise RuntimeError(f"pooling request {output.request_id} ended without a result: {output.error}")
+    return output.embedding
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

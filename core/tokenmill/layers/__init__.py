@@ -1,5 +1,6 @@
 """Building blocks shared by model, quantization and attention plugins."""
 
+from tokenmill.attention.encoder import EncoderBatch, bidirectional_attention
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
@@ -45,6 +46,7 @@ __all__ = [
     "Attention",
     "Communicator",
     "EmbeddingMethod",
+    "EncoderBatch",
     "LayerOps",
     "Linear",
     "LinearMethod",
@@ -59,6 +61,7 @@ __all__ = [
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "WeightLoader",
+    "bidirectional_attention",
     "default_weight_loader",
     "get_rotary_embedding",
     "layer_ops",

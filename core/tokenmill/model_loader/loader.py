@@ -18,7 +18,7 @@ from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.resolve import resolve_model_path
 from tokenmill.model_loader.safetensors_folder import load_safetensors_folder
 from tokenmill.plugins.manager import PluginManager
-from tokenmill.plugins.specs import resolve_qualname
+from tokenmill.plugins.specs import ModelSpec, resolve_qualname
 
 
 def default_model(plugins: PluginManager) -> str:
@@ -45,6 +45,12 @@ def _load_single_file(path: Path, plugins: PluginManager, platform: Any, dtype: 
         if spec.loader_qualname and path.name.endswith(spec.file_suffixes):
             return resolve_qualname(spec.loader_qualname)(path, dtype)
     raise UnsupportedModelError(f"no installed plugin reads {path.suffix or path.name} files ({path})")
+
+
+def registered_model_spec(checkpoint: Checkpoint, plugins: PluginManager) -> ModelSpec | None:
+    """The spec a plugin registered for the checkpoint's first registered architecture, if any."""
+    registered = {arch: spec for arch, (_, spec) in plugins.collect_named("tokenmill_register_models").items()}
+    return next((registered[arch] for arch in checkpoint.architectures if arch in registered), None)
 
 
 def resolve_model_class(checkpoint: Checkpoint, plugins: PluginManager, platform: Any) -> type:

@@ -62,14 +62,21 @@ class AttentionBackendSpec:
 class ModelSpec:
     """A model class for one architecture name of ``config.json``.
 
-    Experimental: ``is_generative``, ``supports_pooling`` and ``capabilities`` are
-    accepted but not read by this version (every model may generate and pool).
+    ``is_generative``: the model samples tokens (the ``generate`` runner); False for an
+    encoder (BERT), which the ``pooling`` runner prefills once, bidirectionally, and
+    pools: its prompts are never chunked and it needs no KV cache. ``supports_pooling``:
+    embedding requests are allowed (a decoder pools its last or mean hidden state).
+    ``default_pooling``: "last", "mean" or "cls", used when neither the request nor the
+    model folder's sentence-transformers files say. ``capabilities`` may hold
+    ``"classify"``: the model's ``compute_pooled`` head turns the pooled state into class
+    logits (a cross-encoder); ``"embed"``: its pooled state is an embedding.
     """
 
     qualname: str
-    is_generative: bool = True  # experimental: not read by this version
-    supports_pooling: bool = True  # experimental: not read by this version
-    capabilities: frozenset[str] = field(default_factory=frozenset)  # experimental: not read by this version
+    is_generative: bool = True
+    supports_pooling: bool = True
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+    default_pooling: str = "last"
 
 
 @dataclass(frozen=True)

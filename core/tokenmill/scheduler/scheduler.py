@@ -47,6 +47,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # An encoder attends every prompt token to every other: each prompt runs whole in one
+    # step, never chunked (the input processor rejects one longer than the step's budget).
+    non_causal_prefill: bool = False
 
 
 @dataclass
@@ -225,7 +228,7 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
-            if num_new > plan.budget and not self.config.enable_chunked_prefill:
+            if num_new > plan.budget and (not self.config.enable_chunked_prefill or self.config.non_causal_prefill):
                 break
             num_new = min(num_new, plan.budget)
             if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:

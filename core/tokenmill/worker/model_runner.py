@@ -267,20 +267,33 @@ class ModelRunner:
         )
 
     def _pool(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """Embeddings: the last prompt position's final hidden state, or the mean over the prompt.
+        """Embeddings: the last prompt position's final hidden state, the first's (``cls``), or
+        the mean over the prompt; then the model's ``compute_pooled`` head where it has one (a
+        classifier's logits), once for the step's finished requests.
 
         A prompt may arrive in chunks, so mean pooling keeps a running sum.
         """
+        finished: list[tuple[str, torch.Tensor]] = []
         for i in np.flatnonzero(self.batch.is_pooling[inputs.rows]):
             state = self.batch.states[inputs.rows[i]]
             start, end = int(inputs.query_start[i]), int(inputs.query_start[i + 1])
             if state.pooling == "mean":
                 chunk_sum = hidden[start:end].float().sum(0)
                 state.pooled_sum = chunk_sum if state.pooled_sum is None else state.pooled_sum + chunk_sum
+            elif state.pooling == "cls" and int(inputs.context_lens[i]) == 0:
+                state.pooled_sum = hidden[start]
             if inputs.sample_mask[i]:
                 vector = (state.pooled_sum / len(state.prompt_token_ids) if state.pooling == "mean"
-                          else hidden[end - 1].float())
-                output.pooled[state.req_id] = vector.tolist()
+                          else state.pooled_sum if state.pooling == "cls" else hidden[end - 1])
+                finished.append((state.req_id, vector.float()))
+        if not finished:
+            return
+        vectors = torch.stack([v for _, v in finished])
+        head = getattr(self.model, "compute_pooled", None)
+        if head is not None:
+            vectors = head(vectors.to(hidden.dtype))
+        for (req_id, _), vector in zip(finished, vectors.float().tolist(), strict=True):
+            output.pooled[req_id] = vector
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         for i, state, start, end in self._prompt_logprob_chunks(inputs):

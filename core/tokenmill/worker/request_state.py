@@ -18,8 +18,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
-    pooling: str | None = None  # "last" / "mean" for embedding requests
-    pooled_sum: torch.Tensor | None = None  # running sum of hidden states, for mean pooling
+    pooling: str | None = None  # "last" / "mean" / "cls" for embedding requests
+    pooled_sum: torch.Tensor | None = None  # running sum of hidden states, for mean pooling; the first's, for cls
     output_token_ids: list[int] = field(default_factory=list)
     # prompt logprobs gathered so far, for a prompt computed in several chunks
     prompt_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
