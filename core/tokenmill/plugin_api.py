@@ -60,6 +60,8 @@ if TYPE_CHECKING:
         as_structural_format,
     )
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
+    from tokenmill.spec_decode.config import SpeculativeConfig
+    from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext
     from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
     from tokenmill.tool_parsers import (
         ExtractedToolCalls,
@@ -93,6 +95,8 @@ _LAZY = {
     **dict.fromkeys(["ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
+    "SpeculativeConfig": "tokenmill.spec_decode.config",
+    **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext"], "tokenmill.spec_decode.proposer"),
 }
 
 
@@ -165,6 +169,11 @@ __all__ = [
     "ReasoningSplit",
     "ReasoningStreamer",
     "as_structural_format",
+    # speculative-decoding proposers
+    "DraftRequest",
+    "Proposer",
+    "ProposerContext",
+    "SpeculativeConfig",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

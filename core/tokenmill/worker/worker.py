@@ -30,9 +30,12 @@ from tokenmill.platform import (
 )
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.spec import WorkerSpec
+from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import StepGraphCapture
 
 
@@ -125,7 +128,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         preferred=config.attention_backend,
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
-    return ModelRunner(
+    runner = ModelRunner(
         model=model,
         backend=backend,
         device=device,
@@ -140,6 +143,17 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         samples=samples,
         mirrors_logits=comm.world_size > 1,
     )
+    if config.speculative_config is not None and samples:
+        runner.spec_decode = _spec_decode_runner(config.speculative_config, plugins, platform, runner, max_model_len)
+    return runner
+
+
+def _spec_decode_runner(config: SpeculativeConfig, plugins: PluginManager, platform: Any, runner: ModelRunner,
+                        max_model_len: int) -> SpecDecodeRunner:
+    """The proposer ``config`` names, built in the worker that samples."""
+    context = ProposerContext(vocab_size=runner.vocab_size, max_model_len=max_model_len, device=runner.device,
+                              dtype=runner.dtype, plugins=plugins, platform=platform)
+    return SpecDecodeRunner(build_proposer(config, plugins, context), config.num_speculative_tokens)
 
 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator) -> StepGraphCapture | None:
