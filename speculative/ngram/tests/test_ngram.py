@@ -4,9 +4,9 @@ tokens that followed it."""
 from __future__ import annotations
 
 import numpy as np
-from tokenmill_spec_ngram.proposer import NgramProposer, lookup_drafts
 
 from tokenmill.plugin_api import DraftRequest, ProposerContext, SpeculativeConfig
+from tokenmill_spec_ngram.proposer import NgramProposer, lookup_drafts
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_match():
