@@ -60,6 +60,7 @@ if TYPE_CHECKING:
         as_structural_format,
     )
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
+    from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
     from tokenmill.spec_decode.config import SpeculativeConfig
     from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext
     from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
@@ -96,6 +97,8 @@ _LAZY = {
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
+    **dict.fromkeys(["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput"],
+                    "tokenmill.scheduler.output"),
     **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext"], "tokenmill.spec_decode.proposer"),
 }
 
@@ -152,6 +155,11 @@ __all__ = [
     "UniProcExecutor",
     "Worker",
     "WorkerSpec",
+    # the step diffs a worker is driven with (by an executor, or a draft model's proposer)
+    "CachedRequestData",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
     # structured-output backends
     "GrammarMatcher",
     "StructuredOutputBackend",

@@ -42,6 +42,9 @@ class ProposerContext:
     dtype: Any
     plugins: PluginManager | None = None
     platform: Any = None
+    max_num_seqs: int = 64  # most requests one propose call gets
+    block_size: int = 16
+    engine_config: Any = None  # the target's EngineConfig (plugin options resolved), to derive a draft's from
 
 
 class Proposer(Protocol):

@@ -9,7 +9,7 @@ methods are what an executor may call by name on every worker.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -144,16 +144,18 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         mirrors_logits=comm.world_size > 1,
     )
     if config.speculative_config is not None and samples:
-        runner.spec_decode = _spec_decode_runner(config.speculative_config, plugins, platform, runner, max_model_len)
+        runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
     return runner
 
 
-def _spec_decode_runner(config: SpeculativeConfig, plugins: PluginManager, platform: Any, runner: ModelRunner,
+def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: Any, runner: ModelRunner,
                         max_model_len: int) -> SpecDecodeRunner:
-    """The proposer ``config`` names, built in the worker that samples."""
-    context = ProposerContext(vocab_size=runner.vocab_size, max_model_len=max_model_len, device=runner.device,
-                              dtype=runner.dtype, plugins=plugins, platform=platform)
-    return SpecDecodeRunner(build_proposer(config, plugins, context), config.num_speculative_tokens)
+    """The proposer ``config.speculative_config`` names, built in the worker that samples."""
+    speculative = cast(SpeculativeConfig, config.speculative_config)
+    context = ProposerContext(engine_config=config, vocab_size=runner.vocab_size, max_model_len=max_model_len, device=runner.device,
+                              dtype=runner.dtype, plugins=plugins, platform=platform,
+                              max_num_seqs=runner.batch.max_num_reqs, block_size=runner.block_size)
+    return SpecDecodeRunner(build_proposer(speculative, plugins, context), speculative.num_speculative_tokens)
 
 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator) -> StepGraphCapture | None:
