@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 from tiny_models import hf_greedy
 
@@ -124,3 +125,50 @@ def test_spec_decode_counters_count(llama_path):
     accepted = registry.get_sample_value("tokenmill:spec_decode_num_accepted_tokens_total", {"model_name": "tiny"})
     assert drafted is not None and accepted is not None
     assert drafted >= accepted > 0
+
+
+SEEDS = 400
+# With 400 seeded samples per engine over a handful of likely tokens, two empirical
+# distributions of the same law differ by a total variation of about 0.05-0.1; the bound is
+# 0.2. (max_tokens 3: the first token comes from the prefill, the second is the verified one.)
+# Accepting every draft (the planted bug) makes the second token the draft model's greedy
+# pick almost always, about 0.5 away in total variation from what the target samples.
+TV_BOUND = 0.2
+
+
+def _second_tokens(llm: LLM) -> list[int]:
+    prompt = {"prompt_token_ids": _repetitive_prompts()[2]}
+    params = [SamplingParams(temperature=0.7, seed=seed, max_tokens=3, ignore_eos=True) for seed in range(SEEDS)]
+    return [o.outputs[0].token_ids[1] for o in llm.generate([prompt] * SEEDS, params)]
+
+
+def _total_variation(a: list[int], b: list[int]) -> float:
+    keys = set(a) | set(b)
+    return 0.5 * sum(abs(a.count(k) / len(a) - b.count(k) / len(b)) for k in keys)
+
+
+@pytest.fixture(scope="module")
+def plain_second_tokens(llama_path) -> list[int]:
+    return _second_tokens(_engine(llama_path, max_num_seqs=64, num_kv_blocks=None, kv_cache_memory="64MiB"))
+
+
+def test_sampled_tokens_keep_their_distribution_with_a_draft_model(llama_path, plain_second_tokens):
+    """The token after the first (the first one a draft can propose) has the same law with
+    speculation as without, over many seeds."""
+    draft = {"model": str(llama_path), "num_speculative_tokens": 1}
+    llm = _engine(llama_path, draft, max_num_seqs=64, num_kv_blocks=None, kv_cache_memory="64MiB")
+    assert _total_variation(_second_tokens(llm), plain_second_tokens) < TV_BOUND
+    assert _core(llm).make_stats().spec_decode_num_draft_tokens >= SEEDS
+
+
+def test_the_distribution_check_catches_accepting_every_draft(llama_path, plain_second_tokens, monkeypatch):
+    import tokenmill.worker.spec_decode as verify
+    from tokenmill.sample.rejection_sampler import RejectionSamplerOutput
+
+    def accept_every_draft(logits, metadata, drafts, generators, draft_probs=None):
+        return RejectionSamplerOutput([[*d, 0] for d in drafts], torch.zeros(logits.shape[0], dtype=torch.int64))
+
+    monkeypatch.setattr(verify, "rejection_sample", accept_every_draft)
+    draft = {"model": str(llama_path), "num_speculative_tokens": 1}
+    llm = _engine(llama_path, draft, max_num_seqs=64, num_kv_blocks=None, kv_cache_memory="64MiB")
+    assert _total_variation(_second_tokens(llm), plain_second_tokens) > TV_BOUND
