@@ -172,3 +172,20 @@ def test_the_distribution_check_catches_accepting_every_draft(llama_path, plain_
     draft = {"model": str(llama_path), "num_speculative_tokens": 1}
     llm = _engine(llama_path, draft, max_num_seqs=64, num_kv_blocks=None, kv_cache_memory="64MiB")
     assert _total_variation(_second_tokens(llm), plain_second_tokens) > TV_BOUND
+
+
+def test_constrained_requests_beside_speculating_ones(llama_path):
+    """A request with a grammar decodes without drafts (its bitmask covers one position) in
+    the same batches as requests verifying drafts; both give what they give without speculation."""
+    from tokenmill import StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]]
+    regex = r"[a-z]{2,6}-[0-9]{2,3}"
+    params = [_greedy(), SamplingParams(temperature=0, max_tokens=40,
+                                        structured_outputs=StructuredOutputsParams(regex=regex)), _greedy(), _greedy()]
+    plain = _engine(llama_path).generate(prompts, params)
+    llm = _engine(llama_path, NGRAM)
+    ours = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert ours[1].outputs[0].finish_reason == "stop"
+    assert _core(llm).make_stats().spec_decode_num_accepted_tokens > 0
