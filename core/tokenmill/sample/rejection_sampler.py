@@ -102,14 +102,15 @@ def rejection_sample(
     greedy_rows = metadata.temperature < GREEDY_EPS
     drawn = torch.where(greedy_rows, probs.max(dim=-1).indices, drawn)
 
-    accepted_host = accepted.cpu().tolist()
-    drawn_host = drawn.cpu().tolist()
-    tokens: list[list[int]] = []
-    for b, draft in enumerate(draft_token_ids):
-        start = int(starts[b])
-        num_accepted = 0
-        while num_accepted < len(draft) and accepted_host[start + num_accepted]:
-            num_accepted += 1
-        tokens.append([*draft[:num_accepted], drawn_host[start + num_accepted]])
+    # Accepted drafts per request: the length of its leading run of acceptances, found with
+    # one cumulative sum (a row's running count of rejections is 0 exactly inside the run).
+    rejections = torch.cumsum((~accepted).to(torch.int64), 0)
+    before_start = torch.where(starts > 0, rejections[(starts - 1).clamp(min=0).to(device)], 0)
+    owner = torch.repeat_interleave(torch.arange(len(draft_token_ids), device=device), (counts + 1).to(device))
+    in_run = (rejections - before_start[owner] == 0) & is_draft_row
+    num_accepted = torch.zeros(len(draft_token_ids), dtype=torch.int64, device=device).index_add_(
+        0, owner, in_run.to(torch.int64))
+    last = drawn[starts.to(device) + num_accepted]
+    tokens = [[*draft[:n], t] for draft, n, t in zip(draft_token_ids, num_accepted.tolist(), last.tolist(), strict=True)]
     position_tokens = torch.where(accepted, drafts, drawn)
     return RejectionSamplerOutput(tokens, position_tokens)
