@@ -20,10 +20,11 @@ def test_the_latest_earlier_occurrence_is_used():
     assert lookup_drafts(tokens, 2, 2, 3).tolist() == [2, 5, 6]
 
 
-def test_no_match_shorter_than_min_and_the_draft_is_cut_at_the_context_end():
+def test_no_match_shorter_than_min_and_a_recent_match_repeats_periodically():
     tokens = np.array([1, 2, 3, 4, 2, 3])
     assert lookup_drafts(tokens, 3, 3, 2).tolist() == []  # [4, 2, 3] never occurred before
-    assert lookup_drafts(tokens, 2, 2, 5).tolist() == [4, 2, 3]  # continuation up to the end
+    assert lookup_drafts(tokens, 2, 2, 5).tolist() == [4, 2, 3, 4, 2]  # [4, 2, 3] follows [2, 3], and repeats
+    assert lookup_drafts(np.array([5, 7, 7, 7]), 2, 2, 3).tolist() == [7, 7, 7]  # a loop drafts k tokens
 
 
 def test_the_proposer_reads_its_options_from_the_config():

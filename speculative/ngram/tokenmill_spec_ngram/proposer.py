@@ -1,6 +1,7 @@
 """Prompt lookup: find the context's last ``n`` tokens earlier in the context (prompt and
 output so far), longest ``n`` first from ``prompt_lookup_max`` down to ``prompt_lookup_min``,
-and propose the tokens that followed the most recent earlier occurrence."""
+and propose the tokens that followed the most recent earlier occurrence (repeating them
+periodically where the occurrence is so recent that fewer than ``k`` tokens follow it)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def lookup_drafts(tokens: np.ndarray, min_n: int, max_n: int, num_drafts: int) -
         hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start : start + num_drafts]
+            # Past the context's end the match's continuation is the context itself from
+            # ``start``: the text repeats with period ``length - start`` (a loop drafts k tokens,
+            # not the one or two left before the end).
+            return tokens[start + np.arange(num_drafts) % (length - start)]
     return tokens[:0]
 
 
