@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Batch-1 greedy decode on the random 100M model, prompts that repeat a random 32-token text
 three times; output tok/s with and without n-gram speculation."""
-import sys, time, json
+import json
+import sys
+import time
+
 import numpy as np
+
 from tokenmill import LLM, SamplingParams
+
 path, spec = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
 rng = np.random.default_rng(0)
 prompts = []
