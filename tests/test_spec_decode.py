@@ -189,3 +189,19 @@ def test_constrained_requests_beside_speculating_ones(llama_path):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
     assert ours[1].outputs[0].finish_reason == "stop"
     assert _core(llm).make_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_stop_string_inside_an_accepted_run(llama_path, plain_outputs):
+    """The text (and finish reason) where a stop string ends a request inside a run of accepted
+    drafts is the text without speculation."""
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()]
+    plain_llm = _engine(llama_path)
+    tokenizer = plain_llm.get_tokenizer()
+    stops = [tokenizer.decode(tokens[4:6]) for tokens, _ in plain_outputs]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop=[s]) for s in stops if s]
+    prompts = [p for p, s in zip(prompts, stops, strict=True) if s]
+    plain = plain_llm.generate(prompts, params)
+    ours = _engine(llama_path, NGRAM).generate(prompts, params)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in ours] == \
+        [(o.outputs[0].text, o.outputs[0].finish_reason) for o in plain]
+    assert any(o.outputs[0].finish_reason == "stop" for o in plain)
