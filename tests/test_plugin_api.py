@@ -17,7 +17,7 @@ import tokenmill.layers
 import tokenmill.plugin_api
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN_FOLDERS = ("platforms", "attention", "models", "quantization", "plugins", "tests/plugins")
+PLUGIN_FOLDERS = ("platforms", "attention", "models", "quantization", "plugins", "speculative", "tests/plugins")
 PUBLIC = {module.__name__: frozenset(module.__all__) for module in (tokenmill, tokenmill.plugin_api, tokenmill.layers)}
 
 

@@ -337,3 +337,17 @@ def test_structured_output_cost_runs_both_ways(model_dir: Path, tmp_path: Path) 
     result = runner.invoke(app, ["bench", "throughput", "--model", str(model_dir), "--structured-output", "xml",
                                  "--num-prompts", "1", *ENGINE])
     assert result.exit_code == 2 and "structured-output" in result.output
+
+
+def test_throughput_and_latency_report_draft_acceptance(model_dir: Path, tmp_path: Path) -> None:
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
+    r = bench_json(tmp_path, "throughput", ["--model", str(model_dir), "--dataset-name", "prefix", "--num-prompts",
+                                            "2", "--prefix-len", "32", "--suffix-len", "4",
+                                            "--prefix-repetition-output-len", "24", *spec, *ENGINE])
+    assert r["completed"] == 2 and r["total_output_tokens"] == 48
+    assert r["spec_decode_num_draft_tokens"] >= r["spec_decode_num_accepted_tokens"] >= 0
+    assert 0 <= r["spec_decode_acceptance_rate"] <= 1 and 1 <= r["spec_decode_mean_accepted_length"] <= 4
+    r = bench_json(tmp_path, "latency", ["--model", str(model_dir), "--input-len", "8", "--output-len", "24",
+                                         "--batch-size", "1", "--num-iters-warmup", "0", "--num-iters", "1",
+                                         *spec, *ENGINE])
+    assert 0 <= r["spec_decode_acceptance_rate"] <= 1

@@ -32,7 +32,7 @@ def test_lists_installed_plugins_and_their_names():
 def test_lists_every_declared_hook_and_flags_the_experimental_ones():
     lines = _run_plugins_command().splitlines()
     experimental = [h for h in hookspecs.hook_names() if hookspecs.is_experimental(h)]
-    assert set(experimental) == {"tokenmill_register_spec_decode_methods", "tokenmill_register_kv_connectors"}
+    assert set(experimental) == {"tokenmill_register_kv_connectors"}
     for hook in hookspecs.hook_names():
         row = next((line for line in lines if f" {hook} " in line), None)
         assert row is not None, f"{hook} missing from the hooks table"

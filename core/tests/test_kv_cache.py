@@ -363,6 +363,7 @@ def test_kv_cache_blocks_result() -> None:
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
+MAX_DRAFTS = 5  # draft tokens a speculative step carries at most
 Content = tuple  # (salt, tokens of the whole prefix up to this block's end)
 
 
@@ -469,6 +470,35 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._preempt(request)
 
     @precondition(lambda self: self.running)
+    @rule(which=st.integers(0, 100), drafts=st.lists(st.integers(0, 1), min_size=1, max_size=MAX_DRAFTS),
+          accepted=st.integers(0, MAX_DRAFTS), token=st.integers(0, 1))
+    def speculative_step(self, which: int, drafts: list[int], accepted: int, token: int) -> None:
+        """A decode with draft tokens: slots for all of them; the target accepts the first
+        ``accepted`` (and samples one more), the rest are taken back and must never be cached."""
+        request = self.running[which % len(self.running)]
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token(token)
+        if request.num_tokens - request.num_computed_tokens != 1:  # still prefilling
+            return
+        if not self._allocate(request, 1 + len(drafts)):
+            self._preempt(request)
+            return
+        # What the forward wrote: the last token's KV, then the drafts'.
+        written = request.all_token_ids + drafts
+        blocks = self.manager.get_blocks(request.request_id).blocks
+        for index in range(request.num_computed_tokens // BLOCK_SIZE, len(written) // BLOCK_SIZE):
+            self.content[blocks[index].block_id] = (request.cache_salt, tuple(written[: (index + 1) * BLOCK_SIZE]))
+        accepted = min(accepted, len(drafts))
+        for draft in drafts[:accepted]:
+            request.append_output_token(draft)
+        request.append_output_token(1 - drafts[accepted] if accepted < len(drafts) else token)
+        request.num_computed_tokens += 1 + accepted  # the scheduler takes the rejected ones back
+        self.manager.cache_blocks(request, request.num_computed_tokens)
+        for index, block_hash in enumerate(request.block_hashes):
+            meaning = self._prefix(request, index + 1)
+            assert self.hash_meaning.setdefault(block_hash, meaning) == meaning
+
+    @precondition(lambda self: self.running)
     @rule(which=st.integers(0, 100))
     def finish(self, which: int) -> None:
         request = self.running.pop(which % len(self.running))
@@ -508,6 +538,14 @@ class KVCacheMachine(RuleBasedStateMachine):
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block in self.manager.block_pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0)
+
+    @invariant()
+    def no_request_holds_more_than_its_tokens_and_drafts_need(self) -> None:
+        """The slots of rejected drafts stay with their request for its next step's tokens
+        (and go back to the pool with the request), never more than one step's drafts' worth."""
+        for request in self.running:
+            limit = -(-(max(request.num_tokens, request.num_computed_tokens + 1 + MAX_DRAFTS)) // BLOCK_SIZE)
+            assert len(self.manager.get_block_ids(request.request_id)) <= limit
 
     @invariant()
     def hash_map_is_truthful(self) -> None:

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.spec_decode.config import SpeculativeConfig
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
@@ -106,6 +108,11 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="CPU threads of the engine (default: "
                                                             "TOKENMILL_NUM_THREADS, else the usable cores)",
                                     json_schema_extra=cli(_RUN))
+
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} "
+                          "or {\"model\": DRAFT, \"num_speculative_tokens\": 3}; the method is a proposer by its "
+                          "registered name (see `tokenmill plugins`; default: none)", json_schema_extra=cli(_RUN))
 
     strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
                                  json_schema_extra=cli(_PLUGINS))

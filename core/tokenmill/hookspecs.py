@@ -46,7 +46,10 @@ calls the hooks in this order, each in the process named:
    then, once the model is built, :func:`tokenmill_register_attention_backends`
    and :func:`tokenmill_select_attention_backend`;
 7. engine process, once the KV cache is allocated:
-   :func:`tokenmill_register_structured_output_backends`.
+   :func:`tokenmill_register_structured_output_backends`;
+8. with a ``speculative_config`` only: :func:`tokenmill_register_spec_decode_methods`,
+   in the engine process (checking the method before any worker starts) and in the
+   worker that samples (building the proposer once its runner exists).
 
 The server calls :func:`tokenmill_register_tool_parsers` and
 :func:`tokenmill_register_reasoning_parsers` when it starts.
@@ -357,21 +360,36 @@ def tokenmill_register_reasoning_parsers() -> dict[str, str] | None:
     """
 
 
+@hookspec
+def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
+    """Return speculative-decoding proposers.
+
+    :returns: :class:`~tokenmill.plugins.specs.SpecDecodeSpec` records: ``name`` (what
+        ``speculative_config={"method": NAME}`` selects), ``proposer_qualname`` (a
+        ``"module:Class"`` implementing :class:`tokenmill.plugin_api.Proposer`, imported only
+        when chosen) and ``needs_draft_model`` (the config must then name a ``model``, whose
+        vocabulary and context length the engine checks against the target's at start).
+
+    Called: in the engine process when it starts with a ``speculative_config`` (to check the
+    method exists), in the worker that samples (to build the proposer:
+    ``cls(config: SpeculativeConfig, context: ProposerContext)``), and by ``tokenmill plugins``.
+
+    After every step the runner calls ``proposer.propose(requests)`` with each request that
+    sampled (its tokens so far) and gets up to ``num_speculative_tokens`` drafts per request;
+    the next step verifies them in the target's forward pass, and the rejection sampler keeps
+    the output distribution the target's own. ``proposer.forget(req_ids)`` is called for
+    requests that finished or were preempted.
+
+    Default: none in the core; ``ngram`` ships in ``tokenmill-spec-ngram``. Collect hook;
+    names must be unique across plugins.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Experimental: reserved names this version never calls. An implementation is
 # accepted (with an ExperimentalHookWarning) and ignored; the issue that needs
 # each one gives it a caller and moves it up to its phase.
 # ---------------------------------------------------------------------------
-
-
-@hookspec(warn_on_impl=_experimental("tokenmill_register_spec_decode_methods"))
-def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
-    """Return speculative-decoding proposers (reserved).
-
-    :returns: :class:`~tokenmill.plugins.specs.SpecDecodeSpec` records.
-
-    Called: never by this version. Collect hook.
-    """
 
 
 @hookspec(warn_on_impl=_experimental("tokenmill_register_kv_connectors"))

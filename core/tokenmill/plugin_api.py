@@ -60,6 +60,9 @@ if TYPE_CHECKING:
         as_structural_format,
     )
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
+    from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+    from tokenmill.spec_decode.config import SpeculativeConfig
+    from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext
     from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
     from tokenmill.tool_parsers import (
         ExtractedToolCalls,
@@ -93,6 +96,10 @@ _LAZY = {
     **dict.fromkeys(["ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
+    "SpeculativeConfig": "tokenmill.spec_decode.config",
+    **dict.fromkeys(["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput"],
+                    "tokenmill.scheduler.output"),
+    **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext"], "tokenmill.spec_decode.proposer"),
 }
 
 
@@ -148,6 +155,11 @@ __all__ = [
     "UniProcExecutor",
     "Worker",
     "WorkerSpec",
+    # the step diffs a worker is driven with (by an executor, or a draft model's proposer)
+    "CachedRequestData",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
     # structured-output backends
     "GrammarMatcher",
     "StructuredOutputBackend",
@@ -165,6 +177,11 @@ __all__ = [
     "ReasoningSplit",
     "ReasoningStreamer",
     "as_structural_format",
+    # speculative-decoding proposers
+    "DraftRequest",
+    "Proposer",
+    "ProposerContext",
+    "SpeculativeConfig",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

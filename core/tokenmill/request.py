@@ -92,6 +92,9 @@ class Request:
     error: str | None = None
     # Structured outputs: the matcher, set once the grammar is compiled.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: the draft tokens proposed after the last step, for the next one to
+    # verify. Never part of ``output_token_ids`` (nor of a block hash) until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

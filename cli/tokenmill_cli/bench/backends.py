@@ -25,10 +25,24 @@ class EngineCounters:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found there
     preemptions: int = 0
+    spec_drafts: int = 0  # speculative decoding: request steps that verified drafts
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of which accepted
 
     def since(self, before: EngineCounters) -> EngineCounters:
         return EngineCounters(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
-                              self.preemptions - before.preemptions)
+                              self.preemptions - before.preemptions, self.spec_drafts - before.spec_drafts,
+                              self.spec_draft_tokens - before.spec_draft_tokens,
+                              self.spec_accepted_tokens - before.spec_accepted_tokens)
+
+    def spec_decode_json(self, engine_kwargs: dict[str, Any]) -> dict[str, float]:
+        """Acceptance over a run, for a result's JSON (empty without a speculative_config)."""
+        if engine_kwargs.get("speculative_config") is None:
+            return {}
+        return {"spec_decode_num_draft_tokens": self.spec_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
+                "spec_decode_acceptance_rate": self.spec_accepted_tokens / max(1, self.spec_draft_tokens),
+                "spec_decode_mean_accepted_length": 1 + self.spec_accepted_tokens / max(1, self.spec_drafts)}
 
     @property
     def prefix_hit_rate(self) -> float:

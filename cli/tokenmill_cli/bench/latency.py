@@ -70,11 +70,13 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], opts: LatencyO
 
     warmups = [_iteration(backend, batch(), opts.temperature)
                for _ in _progress(opts.num_iters_warmup, "Warm-up", opts.disable_tqdm)]
+    before = backend.counters()
     iterations = [_iteration(backend, batch(), opts.temperature)
                   for _ in _progress(opts.num_iters, "Latency", opts.disable_tqdm)]
     first_token = (warmups or iterations)[0].first_token
-    return _result(backend, backend_name, model, opts, iterations, engine_kwargs,
-                   startup_seconds(first_token, process_start))
+    result = _result(backend, backend_name, model, opts, iterations, engine_kwargs,
+                     startup_seconds(first_token, process_start))
+    return {**result, **backend.counters().since(before).spec_decode_json(engine_kwargs)}
 
 
 def _iteration(backend: Backend, requests: list[BenchRequest], temperature: float) -> Iteration:
@@ -141,6 +143,8 @@ LATENCY_ROWS: list[Row] = [
     ("Average latency (s)", "avg_latency", ".3f"),
     ("Per-token latency, TPOT (ms)", "mean_tpot_ms", ".2f"),
     ("Output token throughput (tok/s)", "output_throughput", ".1f"),
+    ("Draft acceptance rate", "spec_decode_acceptance_rate", ".1%"),
+    ("Mean accepted length", "spec_decode_mean_accepted_length", ".2f"),
     ("Weight bytes read per step (MiB)", "weight_mib_per_step", ".1f"),
     ("Achieved bandwidth (GB/s)", "achieved_gbps", ".2f"),
     ("Read ceiling, same bytes (GB/s)", "read_ceiling_gbps", ".2f"),

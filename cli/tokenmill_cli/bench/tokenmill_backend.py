@@ -72,7 +72,9 @@ class TokenmillBackend:
 
     def counters(self) -> EngineCounters:
         stats = self.llm.engine.scheduler_stats
-        return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
+                              stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                              stats.spec_decode_num_accepted_tokens)
 
 
 def _count_weights(worker: Any) -> WeightCounts:

@@ -23,6 +23,7 @@ from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_option
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutputs
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.spec_decode.proposer import check_speculative_config
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.worker.spec import WorkerSpec, loaded_plugin_names
 
@@ -50,6 +51,9 @@ class EngineCore:
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
         check_tensor_parallel(self.checkpoint.hf_config, config.tensor_parallel_size)  # before any worker starts
+        if config.speculative_config is not None:  # a bad config fails the start, before any worker
+            check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.hf_config.vocab_size),
+                                     self.max_model_len, config.tensor_parallel_size)
         self.worker_spec = WorkerSpec(
             model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins),
@@ -69,6 +73,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             non_causal_prefill=self.runner.is_encoder,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
         ), self.kv_manager, self.structured_output)
         self._building_thread = threading.get_ident()
         self._warned_thread = False

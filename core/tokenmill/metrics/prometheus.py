@@ -77,6 +77,10 @@ class PrometheusStatLogger:
         self._advance(self.prefix_queries, scheduler.prefix_cache_queries - self._last.prefix_cache_queries)
         self._advance(self.prefix_hits, scheduler.prefix_cache_hits - self._last.prefix_cache_hits)
         self._advance(self.preemptions, scheduler.num_preemptions - self._last.num_preemptions)
+        self._advance(self.draft_tokens,
+                      scheduler.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
+        self._advance(self.accepted_tokens,
+                      scheduler.spec_decode_num_accepted_tokens - self._last.spec_decode_num_accepted_tokens)
         self._last = scheduler
         self._advance(self.prompt_tokens, iteration.num_prompt_tokens)
         self._advance(self.generation_tokens, iteration.num_generation_tokens)

@@ -29,6 +29,17 @@ class SchedulerSnapshot:
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0  # tokens found, since start
+    spec_decode_num_drafts: int = 0  # requests' steps that verified drafts, since start
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted, since start
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... since start
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens each verifying step gave a request on average: the accepted drafts and one more."""
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
 
 @dataclass

@@ -103,10 +103,9 @@ class QuantMethodSpec:
 
 @dataclass(frozen=True)
 class SpecDecodeSpec:
-    """A speculative-decoding proposer.
-
-    Experimental: the answer of a reserved hook this version never calls.
-    """
+    """A speculative-decoding proposer (``tokenmill_register_spec_decode_methods``): its
+    name in ``speculative_config``, the ``"module:Class"`` of its :class:`Proposer`, and
+    whether the config must name a draft model."""
 
     name: str
     proposer_qualname: str

@@ -70,6 +70,9 @@ class SchedulerOutput:
     # Preempted since the last step: workers drop them from the batch but keep
     # their state (token ids, seeded generator) for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: the draft tokens each request's step verifies. They are the last
+    # ``len(drafts)`` of its ``num_scheduled_tokens``, placed after its last sampled token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -89,6 +92,8 @@ class ModelRunnerOutput:
     pooled: dict[str, list[float]] = field(default_factory=dict)
     # Rows that could not be sampled (non-finite logits), with the reason: those requests fail alone.
     errors: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,7 +17,7 @@ matchers advance with the tokens sampled.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError, InvalidStateTransition
@@ -33,6 +33,7 @@ from tokenmill.scheduler.output import (
     SchedulerOutput,
 )
 from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
+from tokenmill.scheduler.spec_tokens import SpecDecodeCounters, num_rejected, usable_drafts
 
 if TYPE_CHECKING:
     from tokenmill.structured_output.manager import StructuredOutputManager
@@ -50,6 +51,7 @@ class SchedulerConfig:
     # An encoder attends every prompt token to every other: each prompt runs whole in one
     # step, never chunked (the input processor rejects one longer than the step's budget).
     non_causal_prefill: bool = False
+    num_speculative_tokens: int = 0  # most draft tokens a request carries into a step (0: no speculation)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class _StepPlan:
     new: list[NewRequestData]
     cached: list[CachedRequestData]
     tokens: dict[str, int]
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # the scheduled ones
 
 
 class Scheduler:
@@ -78,6 +81,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_decode = SpecDecodeCounters()
 
     # -- admission and removal ------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -145,6 +149,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.tokens.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            scheduled_spec_decode_tokens=plan.drafts,
         )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
@@ -189,7 +194,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            num_unsent = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_unsent + len(request.spec_token_ids), plan.budget)  # drafts count in the budget
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request itself was preempted
                 continue
@@ -197,6 +203,8 @@ class Scheduler:
                                                  request.num_computed_tokens, _unsent_tokens(request)))
             plan.tokens[request.request_id] = num_new
             plan.budget -= num_new
+            if num_new > num_unsent:
+                plan.drafts[request.request_id] = request.spec_token_ids[: num_new - num_unsent]
             index += 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> KVCacheBlocks | None:
@@ -213,10 +221,12 @@ class Scheduler:
         self.running.remove(request)
         if request.request_id in plan.tokens:  # already scheduled this step: take it back
             plan.budget += plan.tokens.pop(request.request_id)
+            plan.drafts.pop(request.request_id, None)
             plan.cached = [c for c in plan.cached if c.req_id != request.request_id]
         self.kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_front(request)
@@ -265,6 +275,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_tokens
             sampled = runner_output.sampled.get(req_id, [])
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:  # the rejected drafts' KV is not the request's: recompute from there
+                request.num_computed_tokens -= num_rejected(drafts, sampled)
+                self.spec_decode.record(len(drafts), len(sampled) - 1)
             pooled = runner_output.pooled.get(req_id)
             num_before = request.num_output_tokens
             worker_error = runner_output.errors.get(req_id)
@@ -297,6 +311,10 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._release(request)
+            elif self.config.num_speculative_tokens:
+                request.spec_token_ids = usable_drafts(
+                    request, runner_output.spec_token_ids.get(req_id, [])[: self.config.num_speculative_tokens],
+                    self.config.max_model_len)
         return outputs
 
     def _append_and_check(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:
@@ -342,6 +360,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            spec_decode_num_drafts=self.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
         )
 
 

@@ -24,6 +24,7 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.prefault import populate_in_background
 from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import DecodeGraphs, StepGraphCapture
 from tokenmill.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -69,6 +70,7 @@ class ModelRunner:
         # place), so consecutive steps of the same requests reuse it.
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         self._forward_result: _Forward | None = None  # from execute_model, for sample_tokens
+        self.spec_decode: SpecDecodeRunner | None = None  # set where speculative decoding is on
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -111,6 +113,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Update the batch and run the step's forward; :meth:`sample_tokens` gives its output."""
         self._update_states(scheduler_output)
+        if self.spec_decode is not None:
+            self.spec_decode.place_drafts(self.batch, scheduler_output.scheduled_spec_decode_tokens)
         self._forward_result = None
         if scheduler_output.total_num_scheduled_tokens == 0:
             return
@@ -134,6 +138,8 @@ class ModelRunner:
         self._prompt_logprobs(forward.inputs, forward.hidden, output)
         self._pool(forward.inputs, forward.hidden, output)
         self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
+        if self.spec_decode is not None:
+            self.spec_decode.propose(self.batch, output)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,6 +151,8 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata), None
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.spec_decode is not None:
+            self.spec_decode.forget(so.finished_req_ids | so.preempted_req_ids)
         for req_id in so.finished_req_ids:
             self.batch.remove(req_id)
             self.requests.pop(req_id, None)
@@ -195,6 +203,8 @@ class ModelRunner:
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
         mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]
+        if self.spec_decode is not None and self.spec_decode.drafts:  # rows with drafts verify them
+            mask = self.spec_decode.verify(self, inputs, hidden, mask, output)
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return

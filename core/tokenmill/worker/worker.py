@@ -9,7 +9,7 @@ methods are what an executor may call by name on every worker.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,12 @@ from tokenmill.platform import (
 )
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.spec import WorkerSpec
+from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import StepGraphCapture
 
 
@@ -126,7 +129,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
-    return ModelRunner(
+    runner = ModelRunner(
         model=model,
         backend=backend,
         device=device,
@@ -141,6 +144,19 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         samples=samples,
         mirrors_logits=comm.world_size > 1,
     )
+    if config.speculative_config is not None and samples:
+        runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
+    return runner
+
+
+def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: Any, runner: ModelRunner,
+                        max_model_len: int) -> SpecDecodeRunner:
+    """The proposer ``config.speculative_config`` names, built in the worker that samples."""
+    speculative = cast(SpeculativeConfig, config.speculative_config)
+    context = ProposerContext(engine_config=config, vocab_size=runner.vocab_size, max_model_len=max_model_len, device=runner.device,
+                              dtype=runner.dtype, plugins=plugins, platform=platform,
+                              max_num_seqs=runner.batch.max_num_reqs, block_size=runner.block_size)
+    return SpecDecodeRunner(build_proposer(speculative, plugins, context), speculative.num_speculative_tokens)
 
 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator) -> StepGraphCapture | None:

@@ -1,0 +1,82 @@
+"""The scheduler with draft tokens, a real KV cache manager, and the target's verdict supplied
+by the test: drafts count in the token budget and get KV slots, rejected ones are taken back
+off ``num_computed_tokens`` and never reach the prefix cache, finished requests free all."""
+
+from __future__ import annotations
+
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.output import ModelRunnerOutput
+from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+
+BLOCK = 4
+
+
+def _scheduler(k: int = 3, **config) -> Scheduler:
+    defaults = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64, num_speculative_tokens=k)
+    return Scheduler(SchedulerConfig(**{**defaults, **config}), KVCacheManager(64, BLOCK, True))
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 20) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + prompt_len)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens)
+
+
+def _prefill(scheduler: Scheduler, rid: str, proposed: list[int]) -> None:
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={rid: [1]}, spec_token_ids={rid: proposed}))
+
+
+def test_drafts_count_in_the_budget_and_get_slots():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 8))
+    _prefill(scheduler, "a", [2, 3, 4, 5])  # one more than k: cut to 3
+    assert scheduler.requests["a"].spec_token_ids == [2, 3, 4]
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}  # the last sampled token and three drafts
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4]}
+    assert len(scheduler.kv.get_block_ids("a")) == 3  # 12 tokens' slots: 8 + 1 + 3
+
+
+def test_rejected_drafts_are_taken_back_and_never_cached():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 8))
+    _prefill(scheduler, "a", [2, 3, 4])
+    out = scheduler.schedule()
+    # the target accepts 2 and rejects 3 (it samples 9 instead): 8 + 1 + 1 tokens are computed
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [2, 9]}))
+    request = scheduler.requests["a"]
+    assert request.output_token_ids == [1, 2, 9]
+    assert request.num_computed_tokens == 10
+    assert request.num_tokens - request.num_computed_tokens == 1  # the resampled token is the next input
+    pool = scheduler.kv.block_pool
+    assert len(pool.cached_blocks) == 10 // BLOCK  # blocks of verified tokens only
+    stats = scheduler.make_stats()
+    assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (3, 1)
+    assert stats.spec_decode_accepted_per_position == (1, 0, 0)
+
+
+def test_a_tight_budget_cuts_the_drafts_and_a_finished_request_frees_everything():
+    scheduler = _scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(_request("a", 6))
+    scheduler.add_request(_request("b", 4))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [1], "b": [1]},
+                                                        spec_token_ids={"a": [2, 3, 4], "b": [5, 6, 7]}))
+    scheduler.config.max_num_batched_tokens = 6
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 2}
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4], "b": [5]}
+    scheduler.finish_requests(["a", "b"], scheduler.requests["a"].status.FINISHED_ABORTED)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_no_drafts_past_max_tokens_or_for_a_last_token():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 8, max_tokens=3))
+    _prefill(scheduler, "a", [2, 3, 4])
+    assert scheduler.requests["a"].spec_token_ids == [2]  # one output so far: room for one draft and one more
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [2, 5]}))
+    assert scheduler.requests.get("a") is None  # three tokens: finished, released

@@ -1,0 +1,104 @@
+"""The proposer protocol, and choosing one by name from the plugins' specs.
+
+A proposer lives in the worker that samples (rank 0), next to the model runner. After each
+step's sampling the runner hands it every request that sampled, with its tokens so far; it
+returns up to ``k`` draft tokens per request. The scheduler schedules them with the next
+step (``SchedulerOutput.scheduled_spec_decode_tokens``), where the target verifies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tokenmill.plugins.specs import SpecDecodeSpec, resolve_qualname
+from tokenmill.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tokenmill.plugins.manager import PluginManager
+
+
+@dataclass
+class DraftRequest:
+    """One request to propose for: ``token_ids`` are its prompt and output so far (the token
+    sampled this step last), a read-only view valid during the call."""
+
+    req_id: str
+    token_ids: np.ndarray
+    num_drafts: int  # at most this many
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may need to build itself: the target's vocabulary and context length,
+    where it runs, and the engine's plugins (a draft model is loaded through them)."""
+
+    vocab_size: int
+    max_model_len: int
+    device: Any
+    dtype: Any
+    plugins: PluginManager | None = None
+    platform: Any = None
+    max_num_seqs: int = 64  # most requests one propose call gets
+    block_size: int = 16
+    engine_config: Any = None  # the target's EngineConfig (plugin options resolved), to derive a draft's from
+
+
+class Proposer(Protocol):
+    """Built as ``cls(config, context)`` once per worker that samples."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Draft tokens per request, in order (an empty list: no guess)."""
+        ...
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop any state kept for these finished or preempted requests."""
+        ...
+
+
+def spec_decode_methods(plugins: PluginManager) -> dict[str, SpecDecodeSpec]:
+    """Every registered proposer by name; two plugins claiming one name is an error naming both."""
+    named = plugins.collect_named("tokenmill_register_spec_decode_methods")
+    return {name: spec for name, (_plugin, spec) in named.items()}
+
+
+def check_speculative_config(config: SpeculativeConfig, plugins: PluginManager, vocab_size: int,
+                             max_model_len: int, tensor_parallel_size: int) -> SpecDecodeSpec:
+    """The chosen method's spec, or a clear error at start: an unknown method, a method that
+    needs a draft model given none, a draft whose vocabulary differs from the target's or
+    whose context is shorter than ``max_model_len``, or a layout it does not support yet."""
+    methods = spec_decode_methods(plugins)
+    spec = methods.get(str(config.method))
+    if spec is None:
+        known = ", ".join(sorted(methods)) or "none installed"
+        raise ValueError(f"unknown speculative decoding method {config.method!r} (known: {known})")
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative decoding does not run under tensor parallelism yet")
+    if spec.needs_draft_model:
+        if config.model is None:
+            raise ValueError(f"speculative method {spec.name!r} needs a draft 'model'")
+        _check_draft(config.model, vocab_size, max_model_len)
+    return spec
+
+
+def _check_draft(path: str, vocab_size: int, max_model_len: int) -> None:
+    from transformers import AutoConfig
+
+    draft = AutoConfig.from_pretrained(path)
+    draft_vocab = int(getattr(draft, "vocab_size", -1))
+    if draft_vocab != vocab_size:
+        raise ValueError(f"the draft model {path} has a vocabulary of {draft_vocab} tokens, the target "
+                         f"{vocab_size}: a draft must share the target's tokenizer")
+    positions = getattr(draft, "max_position_embeddings", None)
+    if positions is not None and int(positions) < max_model_len:
+        raise ValueError(f"the draft model {path} has {positions} positions, fewer than max_model_len="
+                         f"{max_model_len}; lower max_model_len")
+
+
+def build_proposer(config: SpeculativeConfig, plugins: PluginManager, context: ProposerContext) -> Proposer:
+    spec = spec_decode_methods(plugins)[str(config.method)]
+    cls = resolve_qualname(spec.proposer_qualname)
+    return cls(config, context)  # type: ignore[no-any-return]

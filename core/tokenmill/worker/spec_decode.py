@@ -1,0 +1,113 @@
+"""The model runner's side of speculative decoding: place the scheduled drafts in the batch,
+verify them from the step's forward (logits only at the positions that verify), and ask the
+proposer for the next step's drafts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.sample import Sampler, SamplingMetadata, compute_logprobs, gather_logprobs
+from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.scheduler.output import ModelRunnerOutput
+from tokenmill.spec_decode.proposer import DraftRequest, Proposer
+
+if TYPE_CHECKING:
+    from tokenmill.worker.input_batch import InputBatch
+    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.worker.step_inputs import StepInputs
+
+
+class SpecDecodeRunner:
+    """Owns a runner's proposer and the drafts of the step in flight."""
+
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.drafts: dict[str, list[int]] = {}  # this step's, by request
+
+    def place_drafts(self, batch: InputBatch, drafts: dict[str, list[int]]) -> None:
+        """Write each request's drafts after its last token, where the step's inputs read them
+        (``num_tokens`` unchanged: they are not the request's until accepted)."""
+        self.drafts = drafts
+        for req_id, tokens in drafts.items():
+            row = batch.index_of[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(tokens)] = tokens
+
+    def forget(self, req_ids: set[str]) -> None:
+        if req_ids:
+            self.proposer.forget(req_ids)
+
+    def verify(self, runner: ModelRunner, inputs: StepInputs, hidden: torch.Tensor, mask: np.ndarray,
+               output: ModelRunnerOutput) -> np.ndarray:
+        """Verify the drafts of the rows in ``mask`` that carry some; returns ``mask`` without
+        them (the rows left to the ordinary sampler)."""
+        batch = runner.batch
+        with_drafts = mask & np.array([batch.req_ids[r] in self.drafts for r in inputs.rows], dtype=bool)
+        if not with_drafts.any():
+            return mask
+        steps = np.flatnonzero(with_drafts)
+        states = [batch.states[inputs.rows[i]] for i in steps]
+        drafts = [self.drafts[s.req_id] for s in states]
+        ends = inputs.query_start[1:][steps]
+        positions = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)])
+        raw = runner.model.compute_logits(hidden[torch.from_numpy(positions).to(runner.device)]).float()
+        metadata = _position_metadata(runner, states, drafts)
+        logits = Sampler.apply_logits_processors(raw.clone(), metadata)
+        result = rejection_sample(logits, metadata, drafts, [s.generator for s in states])
+        logprob_lists = None
+        if metadata.max_num_logprobs is not None:
+            logprob_lists = gather_logprobs(compute_logprobs(raw), result.position_tokens,
+                                            metadata.max_num_logprobs).tolists()
+        from tokenmill.worker.model_runner import _token_logprobs
+
+        first = 0
+        for i, state, tokens, draft in zip(steps, states, result.token_ids, drafts, strict=True):
+            row = int(inputs.rows[i])
+            for token in tokens:
+                state.output_token_ids.append(token)
+                batch.append_token(row, token)
+            output.sampled[state.req_id] = tokens
+            wanted = state.sampling_params.logprobs
+            if logprob_lists is not None and wanted is not None:
+                output.logprobs[state.req_id] = [_token_logprobs(logprob_lists, first + j, wanted)
+                                                 for j in range(len(tokens))]
+            first += len(draft) + 1
+        return mask & ~with_drafts
+
+    def propose(self, batch: InputBatch, output: ModelRunnerOutput) -> None:
+        """Drafts for every request that sampled this step, into ``output.spec_token_ids``."""
+        requests = []
+        for req_id in output.sampled:
+            row = batch.index_of.get(req_id)
+            if row is None:
+                continue
+            num_tokens = int(batch.num_tokens[row])
+            room = batch.max_model_len - num_tokens
+            if room > 0:
+                requests.append(DraftRequest(req_id, batch.token_ids[row, :num_tokens], min(self.k, room)))
+        if not requests:
+            return
+        for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
+            if draft:
+                output.spec_token_ids[request.req_id] = [int(t) for t in draft[: request.num_drafts]]
+
+
+def _position_metadata(runner: ModelRunner, states: list[CachedRequestState],
+                       drafts: list[list[int]]) -> SamplingMetadata:
+    """One metadata row per verified position: the request's parameters, and its output so far
+    with the drafts before that position (penalties and min-tokens see what precedes it)."""
+    params, outputs, prompts, eos = [], [], [], []
+    for state, draft in zip(states, drafts, strict=True):
+        for j in range(len(draft) + 1):
+            params.append(state.sampling_params)
+            outputs.append(state.output_token_ids + draft[:j])
+            prompts.append(state.prompt_token_ids)
+            eos.append(state.eos_token_id)
+    return SamplingMetadata.from_params(params=params, output_token_ids=outputs, prompt_token_ids=prompts,
+                                        generators={}, eos_token_ids=eos, vocab_size=runner.vocab_size,
+                                        device=runner.device)
