@@ -15,6 +15,14 @@ from tokenmill.layers.linear import (
     load_weight,
 )
 from tokenmill.layers.lm_head import ParallelLMHead
+from tokenmill.layers.moe import (
+    ExpertShardLoader,
+    FusedMoE,
+    FusedMoEMethod,
+    UnquantizedFusedMoEMethod,
+    check_experts_loaded,
+)
+from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
 from tokenmill.layers.quantization import QuantizationConfig
@@ -23,10 +31,14 @@ from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_
 __all__ = [
     "Attention",
     "Communicator",
+    "ExpertShardLoader",
+    "FusedMoE",
+    "FusedMoEMethod",
     "LayerOps",
     "Linear",
     "LinearMethod",
     "MergedLinear",
+    "MoERouting",
     "ModelBuildContext",
     "NativeLayerOps",
     "OutputShardLoader",
@@ -34,13 +46,16 @@ __all__ = [
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
+    "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "WeightLoader",
+    "check_experts_loaded",
     "default_weight_loader",
     "get_rotary_embedding",
     "layer_ops",
     "load_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",
+    "select_experts",
 ]

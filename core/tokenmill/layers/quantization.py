@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from tokenmill.layers.linear import LinearMethod
+    from tokenmill.layers.moe import FusedMoEMethod
 
 
 class QuantizationConfig:
@@ -32,4 +33,9 @@ class QuantizationConfig:
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method of the linear layer ``layer`` whose checkpoint prefix is
         ``prefix`` (``model.layers.0.mlp.down_proj``); None keeps it float."""
+        return None
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
+        """The method of the MoE layer ``layer`` (``model.layers.0.mlp.experts``); None
+        keeps its experts float."""
         return None
