@@ -26,19 +26,24 @@ def grouped_mm_runs(dtype: torch.dtype) -> bool:
     if grouped_mm is None:
         return False
     try:
-        x = torch.ones(3, 2, dtype=dtype)
-        w = torch.ones(2, 2, 2, dtype=dtype)
+        x = torch.ones(3, 8, dtype=dtype)
+        w = torch.ones(2, 8, 8, dtype=dtype)
         out = grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return bool(out.shape == (3, 2) and torch.all(out == 2))
+    return bool(out.shape == (3, 8) and torch.all(out == 8))
+
+
+def _strides_fit(*tensors: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` wants every non-unit stride a multiple of 16 bytes."""
+    return all(stride == 1 or (stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride())
 
 
 def _expert_matmuls(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
                     use_grouped_mm: bool) -> torch.Tensor:
     """``rows`` [N, K] sorted by expert (``counts[e]`` rows each) times each expert's
     ``weights[e]`` [M, K] transposed -> [N, M]."""
-    if use_grouped_mm:
+    if use_grouped_mm and _strides_fit(rows, weights):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
     out = rows.new_empty(rows.shape[0], weights.shape[1])
