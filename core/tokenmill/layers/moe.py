@@ -86,7 +86,7 @@ class ExpertShardLoader:
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None,
                  expert_id: int | None = None) -> None:
-        layout = getattr(param, "expert_layout")
+        layout: str = param.expert_layout  # type: ignore[attr-defined]  # set by FusedMoE.add_parameter
         name = self.tensor_name(layout, shard_id, expert_id)
         if layout == "gate_up":
             target, source = self._gate_up(param, loaded, shard_id, expert_id, name)
@@ -196,7 +196,7 @@ class FusedMoE(nn.Module):
         if match is not None and match.group(2) in EXPERT_NAMES:
             expert, projection = int(match.group(1)), EXPERT_NAMES[match.group(2)]
             if not 0 <= expert < self.num_experts:
-                raise KeyError(f"checkpoint tensor {self.prefix}.{name!r}: this layer has {self.num_experts} experts")
+                raise KeyError(f"checkpoint tensor '{self.prefix}.{name}': this layer has {self.num_experts} experts")
             param_name = "down_proj" if projection == "down" else "gate_up_proj"
             shard = None if projection == "down" else (0 if projection == "gate" else 1)
             param = getattr(self, param_name)
@@ -204,7 +204,7 @@ class FusedMoE(nn.Module):
             return param_name
         params = dict(self.named_parameters(recurse=False))
         if name not in params:
-            raise KeyError(f"checkpoint tensor {self.prefix}.{name!r} has no parameter in the MoE layer")
+            raise KeyError(f"checkpoint tensor '{self.prefix}.{name}' has no parameter in the MoE layer")
         param = params[name]
         loader = getattr(param, "weight_loader", None)
         if loader is not None:

@@ -55,7 +55,7 @@ class MoERouting:
         norm = getattr(config, "norm_topk_prob", None)
         return cls(
             top_k=int(config.num_experts_per_tok),
-            scoring=scoring,
+            scoring="sigmoid" if scoring == "sigmoid" else "softmax",
             renormalize=renormalize_default if norm is None else bool(norm),
             num_groups=int(getattr(config, "n_group", None) or 1) if grouped else 1,
             top_groups=int(getattr(config, "topk_group", None) or 1) if grouped else 1,
@@ -86,8 +86,8 @@ def select_experts(router_logits: torch.Tensor, routing: MoERouting,
 
 
 def _keep_top_groups(choice: torch.Tensor, routing: MoERouting) -> torch.Tensor:
-    """``choice`` with the experts outside each token's ``top_groups`` best groups set to 0
-    (scores are non-negative, so a masked expert is never picked over a kept one)."""
+    """``choice`` with the experts outside each token's ``top_groups`` best groups set to
+    -inf, so that none of them is picked."""
     tokens, experts = choice.shape
     if experts % routing.num_groups:
         raise ValueError(f"n_group {routing.num_groups} does not divide the {experts} experts")
@@ -97,5 +97,5 @@ def _keep_top_groups(choice: torch.Tensor, routing: MoERouting) -> torch.Tensor:
     else:  # DeepSeek-V2: a group's best expert
         group_scores = grouped.amax(dim=-1)
     top = torch.topk(group_scores, routing.top_groups, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores).scatter_(1, top, 1.0)
-    return (grouped * mask.unsqueeze(-1)).view(tokens, experts)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
