@@ -100,7 +100,10 @@ class CpuLayerOps(NativeLayerOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] == 0:
+        # Fewer token-expert pairs than experts (decode of a batch or two): each expert gets a
+        # row or so, grouping buys nothing and its sort costs ~1 ms (measured at batch 1:
+        # reference 5.3 ms, grouped 6.3 ms per layer of 8 experts, 512 x 1024).
+        if x.dim() != 2 or topk_ids.numel() < w13.shape[0]:
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
         return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, self.silu_and_mul)
 
