@@ -131,3 +131,25 @@ def test_an_unsupported_routing_names_the_config_field(field, value, moe_path, t
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match=f"unsupported MoE routing: {field}='{value}'"):
         LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def _expert_loads(worker) -> dict[str, list[int]]:
+    from tokenmill.layers import expert_load_by_layer
+
+    return expert_load_by_layer(worker.runner.model, reset=True)
+
+
+def test_expert_load_counts_every_routed_token(moe_path):
+    """Each MoE layer counts top-k experts per computed token: prompts plus all but the
+    last sampled token of each request (the last one is never fed back)."""
+    from tokenmill.layers import load_imbalance
+
+    llm = LLM(str(moe_path("qwen2-moe")), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+    llm.engine.core.executor.collective_rpc(_expert_loads)  # start from zero
+    _generate(llm)
+    loads = llm.engine.core.executor.collective_rpc(_expert_loads)[0]
+    assert sorted(loads) == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]  # layer 1 is dense
+    computed = sum(len(p) for p in _prompts()) + len(_prompts()) * (MAX_NEW - 1)
+    for layer, load in loads.items():
+        assert len(load) == 8 and sum(load) == 2 * computed, layer
+        assert 1.0 <= load_imbalance(load) <= 8.0

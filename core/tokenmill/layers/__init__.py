@@ -21,6 +21,8 @@ from tokenmill.layers.moe import (
     FusedMoEMethod,
     UnquantizedFusedMoEMethod,
     check_experts_loaded,
+    expert_load_by_layer,
+    load_imbalance,
 )
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
@@ -52,8 +54,10 @@ __all__ = [
     "WeightLoader",
     "check_experts_loaded",
     "default_weight_loader",
+    "expert_load_by_layer",
     "get_rotary_embedding",
     "layer_ops",
+    "load_imbalance",
     "load_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",

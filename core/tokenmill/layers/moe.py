@@ -168,6 +168,8 @@ class FusedMoE(nn.Module):
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
+        # tokens routed to each expert since the model was built (or last reset): one bincount a step
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.quant_method: FusedMoEMethod = quant_method or ctx.moe_method(self) or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size_per_rank,
                                          ctx.params_dtype)
@@ -185,6 +187,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
+        load = cast(torch.Tensor, self.expert_load)
+        load += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         out = self.quant_method.apply(self, hidden, weights, ids)
         return self.comm.all_reduce(out) if self.reduce_results else out
 
@@ -241,3 +245,23 @@ def check_experts_loaded(model: nn.Module) -> None:
             if missing:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise ValueError(f"the checkpoint lacks expert tensor {missing[0]}{more}")
+
+
+def expert_load_by_layer(model: nn.Module, reset: bool = False) -> dict[str, list[int]]:
+    """Tokens routed to each expert, per MoE layer of ``model`` (by checkpoint prefix),
+    since it was built or last reset (``reset=True`` zeroes the counters after reading).
+    A worker answers it through the executor's ``collective_rpc``."""
+    loads = {}
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            counter = cast(torch.Tensor, module.expert_load)
+            loads[module.prefix] = counter.tolist()
+            if reset:
+                counter.zero_()
+    return loads
+
+
+def load_imbalance(load: list[int]) -> float:
+    """Max over mean tokens per expert (1.0: perfectly balanced; 0.0 before any token)."""
+    total = sum(load)
+    return max(load) * len(load) / total if total else 0.0
