@@ -166,3 +166,38 @@ def test_an_unsupported_routing_names_the_config_field(field, value):
     config = _hf_config("Qwen2MoeConfig", **{field: value})
     with pytest.raises(ValueError, match=f"{field}='{value}'"):
         MoERouting.from_hf_config(config)
+
+
+class _BFloat16Experts:
+    """A method of the quant-method slot: experts stored in bfloat16, computed in float32."""
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_rank, params_dtype):
+        layer.add_parameter("gate_up_proj", torch.empty(num_experts, 2 * intermediate_size_per_rank, hidden_size,
+                                                        dtype=torch.bfloat16), layout="gate_up")
+        layer.add_parameter("down_proj", torch.empty(num_experts, hidden_size, intermediate_size_per_rank,
+                                                     dtype=torch.bfloat16), layout="down")
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from tokenmill.layers import layer_ops
+
+        return layer_ops(x.device).fused_moe(x, layer.gate_up_proj.float(), layer.down_proj.float(), topk_weights,
+                                             topk_ids)
+
+
+def test_the_quantization_config_chooses_the_experts_method():
+    from tokenmill.layers import QuantizationConfig
+
+    class BFloat16ExpertsConfig(QuantizationConfig):
+        def get_moe_method(self, layer, prefix):
+            return _BFloat16Experts() if prefix.endswith(".experts") else None
+
+    block = _mixtral_block(3)
+    ctx = ModelBuildContext(hf_config=None, quant_config=BFloat16ExpertsConfig(), params_dtype=torch.float32,
+                            prefix="model.layers.0.moe.experts")
+    layer, float_layer = _layer(ctx), _layer()
+    assert isinstance(layer.quant_method, _BFloat16Experts) and layer.gate_up_proj.dtype == torch.bfloat16
+    for name, tensor in _per_expert_tensors(block).items():
+        layer.load_checkpoint_tensor(name, tensor)
+        float_layer.load_checkpoint_tensor(name, tensor)
+    x, logits = torch.randn(5, HIDDEN), torch.randn(5, EXPERTS)
+    torch.testing.assert_close(layer(x, logits), float_layer(x, logits), rtol=3e-2, atol=3e-2)
