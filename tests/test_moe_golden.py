@@ -84,10 +84,12 @@ def test_preemption_recomputes_exactly(arch, moe_path, reference):
     _assert_matches(outputs, reference(arch))
 
 
-def test_two_tensor_parallel_ranks_match_transformers(moe_path, reference):
-    """Each rank holds half of every expert's intermediate columns; the all-reduced
-    outputs give transformers' tokens, with chunked prefill and preemption."""
-    arch = "mixtral"
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
+def test_two_tensor_parallel_ranks_match_transformers(arch, moe_path, reference):
+    """Each rank holds half of every expert's intermediate columns (and of the shared
+    expert's); the all-reduced outputs give transformers' tokens, with chunked prefill and
+    preemption (where requests finishing together once left the ranks' batches in
+    different row orders: the removals followed each process's set order)."""
     llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, num_kv_blocks=10,
               max_num_batched_tokens=16, tensor_parallel_size=2)
     assert llm.engine.config.distributed_executor_backend == "mp"
