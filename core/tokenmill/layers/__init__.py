@@ -16,6 +16,16 @@ from tokenmill.layers.linear import (
     load_weight,
 )
 from tokenmill.layers.lm_head import ParallelLMHead
+from tokenmill.layers.moe import (
+    ExpertShardLoader,
+    FusedMoE,
+    FusedMoEMethod,
+    UnquantizedFusedMoEMethod,
+    check_experts_loaded,
+    expert_load_by_layer,
+    load_imbalance,
+)
+from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
 from tokenmill.layers.packed_int import (
@@ -47,10 +57,14 @@ __all__ = [
     "Communicator",
     "EmbeddingMethod",
     "EncoderBatch",
+    "ExpertShardLoader",
+    "FusedMoE",
+    "FusedMoEMethod",
     "LayerOps",
     "Linear",
     "LinearMethod",
     "MergedLinear",
+    "MoERouting",
     "ModelBuildContext",
     "NativeLayerOps",
     "OutputShardLoader",
@@ -58,14 +72,19 @@ __all__ = [
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
+    "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "WeightLoader",
     "bidirectional_attention",
+    "check_experts_loaded",
     "default_weight_loader",
+    "expert_load_by_layer",
     "get_rotary_embedding",
     "layer_ops",
+    "load_imbalance",
     "load_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",
+    "select_experts",
 ]

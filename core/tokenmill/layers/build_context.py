@@ -23,6 +23,7 @@ from tokenmill.layers.ops import LayerOps, layer_ops
 
 if TYPE_CHECKING:
     from tokenmill.layers.linear import LinearMethod
+    from tokenmill.layers.moe import FusedMoEMethod
     from tokenmill.layers.quantization import QuantizationConfig
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -59,6 +60,12 @@ class ModelBuildContext:
         if self.quant_config is None:
             return None
         return self.quant_config.get_linear_method(layer, self.prefix)
+
+    def moe_method(self, layer: nn.Module) -> FusedMoEMethod | None:
+        """The quantization config's method for the MoE layer ``layer`` here; None: float."""
+        if self.quant_config is None:
+            return None
+        return self.quant_config.get_moe_method(layer, self.prefix)
 
     def shared_module(self, key: Any, build: Callable[[], ModuleT]) -> ModuleT:
         """The one module under ``key`` for the whole model, built on first request."""

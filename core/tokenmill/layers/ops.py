@@ -46,6 +46,13 @@ class LayerOps(Protocol):
         """GPT-NeoX rotary embedding of ``q`` [T, H, D] and ``k`` [T, H_kv, D]; may rotate in place."""
         ...
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' SiLU MLPs of tokens ``x`` [T, H]: token ``t`` goes through experts
+        ``topk_ids[t]`` [k] (gate/up ``w13[e]`` [2I, H], down ``w2[e]`` [H, I]) and the
+        outputs are summed weighted by ``topk_weights[t]`` (float32) -> [T, H]."""
+        ...
+
 
 class NativeLayerOps:
     """The torch reference, in transformers' order of operations."""
@@ -77,6 +84,18 @@ class NativeLayerOps:
         cos = cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """One expert at a time, over the experts that got tokens (transformers' loop): every
+        kernel is tested against this."""
+        out = torch.zeros_like(x)
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slot = torch.where(topk_ids == expert)
+            hidden = self.silu_and_mul(F.linear(x[tokens], w13[expert]))
+            hidden = F.linear(hidden, w2[expert]) * topk_weights[tokens, slot, None]
+            out.index_add_(0, tokens, hidden.to(out.dtype))
+        return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from tokenmill.layers.embedding import EmbeddingMethod
     from tokenmill.layers.linear import LinearMethod
+    from tokenmill.layers.moe import FusedMoEMethod
 
 
 class QuantizationConfig:
@@ -38,4 +39,9 @@ class QuantizationConfig:
     def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethod | None:
         """The method of the token embedding ``layer`` at ``prefix``
         (``model.embed_tokens``); None keeps a float table."""
+        return None
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
+        """The method of the MoE layer ``layer`` (``model.layers.0.mlp.experts``); None
+        keeps its experts float."""
         return None

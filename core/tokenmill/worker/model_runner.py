@@ -153,10 +153,12 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         if self.spec_decode is not None:
             self.spec_decode.forget(so.finished_req_ids | so.preempted_req_ids)
-        for req_id in so.finished_req_ids:
+        # Sorted: a set's order follows the process's hash seed, and the removals' order sets the
+        # rows the batch keeps; tensor-parallel ranks (separate processes) must lay out one batch.
+        for req_id in sorted(so.finished_req_ids):
             self.batch.remove(req_id)
             self.requests.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
+        for req_id in sorted(so.preempted_req_ids):
             self.batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import NativeLayerOps
+from tokenmill_platform_cpu.moe import grouped_fused_moe
 from tokenmill_platform_cpu.step_graph import active_kernels
 
 # The fused kernels' dtypes (bfloat16 is computed in float32 and rounded once).
@@ -96,6 +97,15 @@ class CpuLayerOps(NativeLayerOps):
             return super().rotary(positions, q, k, cos_cache, sin_cache)
         active_kernels(self._kernels).rotary_embedding_(positions, q, k, cos_cache, sin_cache)
         return q, k
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        # Fewer token-expert pairs than experts (decode of a batch or two): each expert gets a
+        # row or so, grouping buys nothing and its sort costs ~1 ms (measured at batch 1:
+        # reference 5.3 ms, grouped 6.3 ms per layer of 8 experts, 512 x 1024).
+        if x.dim() != 2 or topk_ids.numel() < w13.shape[0]:
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, self.silu_and_mul)
 
 
 def _fused_add_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:

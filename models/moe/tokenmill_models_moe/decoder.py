@@ -1,0 +1,177 @@
+"""The decoder MoE families share: Llama-style attention, then a sparse MoE block (or, in
+the layers a config leaves dense, a plain SiLU MLP).
+
+The attention is the Llama family's (q/k/v merged into one column-parallel matmul,
+o_proj row-parallel, optional q/k bias and per-head q/k RMSNorm), rebuilt here from
+``tokenmill.layers`` because a plugin imports only the public surface, never another
+plugin's package. The MoE block is the router (a replicated float linear layer, as
+checkpoints keep it unquantized), :class:`tokenmill.layers.FusedMoE` and, for
+Qwen2-MoE, a shared expert scaled by the sigmoid of its own one-output gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers import (
+    Attention,
+    FusedMoE,
+    Linear,
+    MergedLinear,
+    ModelBuildContext,
+    MoERouting,
+    RMSNorm,
+    UnquantizedLinearMethod,
+    VocabEmbedding,
+    get_rotary_embedding,
+    layer_ops,
+)
+from tokenmill.plugin_api import AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """What a family's config says about its MoE layers, in one place."""
+
+    module_name: str  # the block's checkpoint name: "block_sparse_moe" (Mixtral), "mlp" (Qwen)
+    num_experts: int
+    intermediate_size: int  # of one expert
+    routing: MoERouting
+    expert_names: tuple[str, str, str]  # the checkpoint's (gate, up, down) names of an expert
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: frozenset[int] = frozenset()  # the layers with experts; the others are dense
+
+
+def _sliding_window(config: Any, layer_index: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    return None if getattr(config, "use_sliding_window", True) is False else window
+
+
+def _check_silu(config: Any) -> None:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported MoE activation: hidden_act={config.hidden_act!r} (supported: 'silu')")
+
+
+class MoEAttention(nn.Module):
+    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        tp = ctx.world_size
+        kv_parts = min(total_kv_heads, tp)  # fewer K/V heads than ranks: each is replicated
+        self.num_heads = total_heads // tp
+        self.num_kv_heads = total_kv_heads // kv_parts
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        q_size, kv_size = total_heads * self.head_size, total_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
+                                     ctx=ctx.child("qkv_proj"), parallel="column", shard_parts=[tp, kv_parts, kv_parts])
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"), parallel="row")
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = get_rotary_embedding(ctx, self.head_size, config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5,
+                              _sliding_window(config, layer_index), layer_index)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(tokens, self.num_heads, self.head_size)
+        k = k.view(tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata))
+
+
+class DenseMLP(nn.Module):
+    """A SiLU-gated MLP: the dense layers' MLP and Qwen2-MoE's shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, ctx=ctx.child("gate_up_proj"),
+                                         parallel="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, ctx=ctx.child("down_proj"), parallel="row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(layer_ops(gate_up.device).silu_and_mul(gate_up))
+
+
+class SparseMoEBlock(nn.Module):
+    def __init__(self, config: Any, shape: MoEShape, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.gate = Linear(config.hidden_size, shape.num_experts, ctx=ctx.child("gate"),
+                           quant_method=UnquantizedLinearMethod())
+        self.experts = FusedMoE(shape.num_experts, config.hidden_size, shape.intermediate_size, shape.routing,
+                                ctx=ctx.child("experts"), expert_names=shape.expert_names)
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shape.shared_intermediate_size:
+            self.shared_expert = DenseMLP(config.hidden_size, shape.shared_intermediate_size, ctx.child("shared_expert"))
+            self.shared_expert_gate = Linear(config.hidden_size, 1, ctx=ctx.child("shared_expert_gate"),
+                                             quant_method=UnquantizedLinearMethod())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + F.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+class MoEDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, shape: MoEShape,
+                 attention_flags: dict[str, bool]) -> None:
+        super().__init__()
+        self.self_attn = MoEAttention(config, layer_index, ctx.child("self_attn"), **attention_flags)
+        sparse = layer_index in shape.sparse_layers
+        # named as the checkpoint names the block: ``block_sparse_moe`` (Mixtral) or ``mlp``
+        self.mlp_name = shape.module_name if sparse else "mlp"
+        mlp_ctx = ctx.child(self.mlp_name)
+        block = SparseMoEBlock(config, shape, mlp_ctx) if sparse else DenseMLP(
+            config.hidden_size, config.intermediate_size, mlp_ctx)
+        self.add_module(self.mlp_name, block)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block, the residual carried separately (as in the Llama family)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config: Any, ctx: ModelBuildContext, shape: MoEShape, attention_flags: dict[str, bool]) -> None:
+        super().__init__()
+        _check_silu(config)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"),
+                                           parallel=True)
+        self.layers = nn.ModuleList(MoEDecoderLayer(config, i, ctx.child(f"layers.{i}"), shape, attention_flags)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)

@@ -1,0 +1,148 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: one causal LM over :mod:`.decoder`, each family
+saying how its config describes the experts (:meth:`MoEForCausalLM.moe_shape`).
+
+- Mixtral: experts in every layer (``block_sparse_moe``, ``experts.N.w1/w3/w2``),
+  softmax top-k renormalised, no q/k/v bias.
+- Qwen2-MoE: q/k/v bias, a shared expert with its sigmoid gate, the top-k
+  renormalised only with ``norm_topk_prob``; experts in layer ``i`` when
+  ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``.
+- Qwen3-MoE: Qwen2-MoE's layer rule, per-head q/k RMSNorm, no shared expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.layers import (
+    FusedMoE,
+    ModelBuildContext,
+    MoERouting,
+    ParallelLMHead,
+    UnquantizedLinearMethod,
+    check_experts_loaded,
+    load_weight,
+)
+from tokenmill.plugin_api import AttentionMetadata
+from tokenmill_models_moe.decoder import MoEModel, MoEShape
+
+# checkpoint projection name -> (merged parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class MoEForCausalLM(nn.Module):
+    """Built as ``Model(hf_config, ctx=ctx)``; the checkpoint's names start at ``model.``
+    and ``lm_head``. A subclass gives :meth:`moe_shape` and its attention flags."""
+
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.config = config
+        flags = {"qkv_bias": self.qkv_bias(config), "o_bias": self.o_bias(config), "qk_norm": self.qk_norm}
+        self.model = MoEModel(config, ctx.child("model"), self.moe_shape(config), flags)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
+                                      quant_method=tied_method)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def moe_shape(cls, config: Any) -> MoEShape:
+        raise NotImplementedError
+
+    @classmethod
+    def qkv_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def o_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors (Hugging Face names): expert tensors through their MoE
+        layer, q/k/v and gate/up as shards of their merged layer, the rest whole. Every
+        expert tensor must come (the error names the first missing one)."""
+        params = dict(self.named_parameters())
+        moe_layers = {name: module for name, module in self.named_modules() if isinstance(module, FusedMoE)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            owner, experts, rest = name.partition(".experts.")
+            if experts and f"{owner}.experts" in moe_layers:
+                param_name = moe_layers[f"{owner}.experts"].load_checkpoint_tensor(rest, tensor)
+                loaded.add(f"{owner}.experts.{param_name}")
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            shard: int | None = None
+            if proj in _STACKED:
+                merged, shard = _STACKED[proj]
+                name = f"{parent}.{merged}.{leaf}"
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            load_weight(params[name], tensor, shard)
+            loaded.add(name)
+        check_experts_loaded(self)
+        return loaded
+
+
+def _qwen_sparse_layers(config: Any) -> frozenset[int]:
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return frozenset(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    @classmethod
+    def moe_shape(cls, config: Any) -> MoEShape:
+        return MoEShape(module_name="block_sparse_moe", num_experts=config.num_local_experts,
+                        intermediate_size=config.intermediate_size,
+                        routing=MoERouting.from_hf_config(config, renormalize_default=True),
+                        expert_names=("w1", "w3", "w2"), sparse_layers=frozenset(range(config.num_hidden_layers)))
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    @classmethod
+    def moe_shape(cls, config: Any) -> MoEShape:
+        return MoEShape(module_name="mlp", num_experts=config.num_experts,
+                        intermediate_size=config.moe_intermediate_size,
+                        routing=MoERouting.from_hf_config(config), expert_names=("gate_proj", "up_proj", "down_proj"),
+                        shared_intermediate_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+                        sparse_layers=_qwen_sparse_layers(config) if config.num_experts > 0 else frozenset())
+
+    @classmethod
+    def qkv_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "qkv_bias", True))  # Qwen2-MoE has always biased q/k/v
+
+    @classmethod
+    def o_bias(cls, config: Any) -> bool:
+        return False
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    qk_norm = True
+
+    @classmethod
+    def moe_shape(cls, config: Any) -> MoEShape:
+        return MoEShape(module_name="mlp", num_experts=config.num_experts,
+                        intermediate_size=config.moe_intermediate_size,
+                        routing=MoERouting.from_hf_config(config), expert_names=("gate_proj", "up_proj", "down_proj"),
+                        sparse_layers=_qwen_sparse_layers(config) if config.num_experts > 0 else frozenset())

@@ -1,0 +1,157 @@
+"""Mixture-of-experts models against transformers ``generate`` on the same weights (float32):
+greedy tokens identical, chosen-token logprobs within 1e-3, for 8 prompts of 5 to 60
+tokens; also with chunked prefill, with preemption, and with two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from moe_models import build_moe_model
+from safetensors.torch import load_file, save_file
+from tiny_models import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+
+MAX_NEW = 12
+ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe"]
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = build_moe_model(tmp_path_factory.mktemp(arch), arch)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def reference(moe_path):
+    cache: dict[str, list] = {}
+
+    def get(arch: str) -> list:
+        if arch not in cache:
+            cache[arch] = hf_greedy(moe_path(arch), _prompts(), MAX_NEW)
+        return cache[arch]
+
+    return get
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 23, 31, 40, 47, 60)]
+
+
+def _generate(llm: LLM) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+
+
+def _assert_matches(outputs, expected) -> None:
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens, f"prompt {i}: greedy tokens differ from transformers"
+        ours = [next(iter(step.values())).logprob for step in completion.logprobs]
+        assert ours == pytest.approx(logprobs, abs=1e-3), f"prompt {i}: logprobs differ"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, moe_path, reference):
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+    _assert_matches(_generate(llm), reference(arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_of_16_tokens(arch, moe_path, reference):
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              max_num_batched_tokens=16)
+    _assert_matches(_generate(llm), reference(arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_recomputes_exactly(arch, moe_path, reference):
+    # 10 blocks of 16 tokens: 8 prompts of up to 72 tokens cannot all stay resident.
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, num_kv_blocks=10)
+    outputs = _generate(llm)
+    assert llm.engine.scheduler_stats.num_preemptions > 0
+    _assert_matches(outputs, reference(arch))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
+def test_two_tensor_parallel_ranks_match_transformers(arch, moe_path, reference):
+    """Each rank holds half of every expert's intermediate columns (and of the shared
+    expert's); the all-reduced outputs give transformers' tokens, with chunked prefill and
+    preemption (where requests finishing together once left the ranks' batches in
+    different row orders: the removals followed each process's set order)."""
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, num_kv_blocks=10,
+              max_num_batched_tokens=16, tensor_parallel_size=2)
+    assert llm.engine.config.distributed_executor_backend == "mp"
+    outputs = _generate(llm)
+    assert llm.engine.scheduler_stats.num_preemptions > 0
+    _assert_matches(outputs, reference(arch))
+    llm.engine.shutdown()
+
+
+def _copy_with_tensors(source: Path, target: Path, edit) -> Path:
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    tensors = load_file(target / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def test_a_missing_expert_tensor_is_named(moe_path, tmp_path):
+    name = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    folder = _copy_with_tensors(moe_path("mixtral"), tmp_path, lambda tensors: tensors.pop(name))
+    with pytest.raises(Exception, match=f"lacks expert tensor {name.replace('.', '[.]')}"):
+        LLM(str(folder), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def test_an_expert_tensor_of_the_wrong_shape_is_named(moe_path, tmp_path):
+    name = "model.layers.0.mlp.experts.2.down_proj.weight"
+
+    def shrink(tensors):
+        tensors[name] = tensors[name][:, :-1].contiguous()
+
+    folder = _copy_with_tensors(moe_path("qwen2-moe"), tmp_path, shrink)
+    with pytest.raises(Exception, match=rf"{name.replace('.', '[.]')}: checkpoint tensor of shape \(64, 31\)"):
+        LLM(str(folder), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize(("field", "value"), [("scoring_func", "tanh"), ("topk_method", "random")])
+def test_an_unsupported_routing_names_the_config_field(field, value, moe_path, tmp_path):
+    shutil.copytree(moe_path("qwen3-moe"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=f"unsupported MoE routing: {field}='{value}'"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+
+
+def _expert_loads(worker) -> dict[str, list[int]]:
+    from tokenmill.layers import expert_load_by_layer
+
+    return expert_load_by_layer(worker.runner.model, reset=True)
+
+
+def test_expert_load_counts_every_routed_token(moe_path):
+    """Each MoE layer counts top-k experts per computed token: prompts plus all but the
+    last sampled token of each request (the last one is never fed back)."""
+    from tokenmill.layers import load_imbalance
+
+    llm = LLM(str(moe_path("qwen2-moe")), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+    llm.engine.core.executor.collective_rpc(_expert_loads)  # start from zero
+    _generate(llm)
+    loads = llm.engine.core.executor.collective_rpc(_expert_loads)[0]
+    assert sorted(loads) == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]  # layer 1 is dense
+    computed = sum(len(p) for p in _prompts()) + len(_prompts()) * (MAX_NEW - 1)
+    for layer, load in loads.items():
+        assert len(load) == 8 and sum(load) == 2 * computed, layer
+        assert 1.0 <= load_imbalance(load) <= 8.0
