@@ -11,11 +11,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
+from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.model_loader.loader import default_model, load_checkpoint
+from tokenmill.model_loader.loader import default_model, load_checkpoint, resolve_model_class
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
@@ -48,10 +49,14 @@ class EngineCore:
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
         check_tensor_parallel(self.checkpoint.hf_config, config.tensor_parallel_size)  # before any worker starts
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_parallel(self.checkpoint.hf_config,
+                                    resolve_model_class(self.checkpoint, self.plugins, self.platform),
+                                    config.pipeline_parallel_size)
         self.worker_spec = WorkerSpec(
             model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins),
-            world_size=config.tensor_parallel_size)
+            world_size=config.world_size)
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
                                                   checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()

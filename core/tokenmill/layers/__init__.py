@@ -17,6 +17,7 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.lm_head import ParallelLMHead
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
+from tokenmill.layers.pipeline import PipelineStage, left_out_prefixes, make_layers, on_stage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
 
@@ -31,6 +32,7 @@ __all__ = [
     "NativeLayerOps",
     "OutputShardLoader",
     "ParallelLMHead",
+    "PipelineStage",
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
@@ -40,7 +42,10 @@ __all__ = [
     "default_weight_loader",
     "get_rotary_embedding",
     "layer_ops",
+    "left_out_prefixes",
     "load_weight",
+    "make_layers",
+    "on_stage",
     "register_layer_ops",
     "rope_inverse_frequencies",
 ]
