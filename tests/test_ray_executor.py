@@ -1,5 +1,5 @@
 """The Ray executor on a real local Ray cluster (127.0.0.1, two CPUs) that the tests start:
-the tensor-parallel golden run, and a rank's actor killed mid-generation."""
+the tensor- and pipeline-parallel golden runs, and a rank's actor killed mid-generation."""
 
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ def test_ray_missing_is_a_clear_error_before_any_worker_starts(llama_path, monke
             distributed_executor_backend="ray")
 
 
-def test_two_ray_actors_match_one_rank_and_transformers(ray_cluster, model_factory):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_two_ray_actors_match_one_rank_and_transformers(tp, pp, ray_cluster, model_factory):
     path = model_factory("qwen2")
     prompts = _prompts(3, shared_prefix=24)
     expected = [tokens for tokens, _ in hf_greedy(path, prompts, MAX_NEW)]
     one_rank = _generate(LLM(str(path), **STRESS), prompts)
     assert one_rank[0] == expected
-    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="ray", **STRESS)
+    llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray",
+              **STRESS)
     tokens, entry_tokens, logprobs = _generate(llm, prompts)
     assert tokens == expected and entry_tokens == one_rank[1]
     assert logprobs == pytest.approx(one_rank[2], abs=1e-4)
