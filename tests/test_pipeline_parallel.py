@@ -60,6 +60,43 @@ def test_more_stages_than_layers_fail_before_any_worker_starts(llama_path):
     assert multiprocessing.active_children() == []
 
 
+def _collectives_on_rank(rank: int, port: int, results: Any) -> None:
+    """One of two gloo ranks: broadcast, gather to rank 0, and a send/recv round trip."""
+    import torch
+    import torch.distributed as dist
+
+    from tokenmill.layers import Communicator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = Communicator(rank, 2)
+    broadcast = comm.broadcast(torch.full((2,), float(rank + 5)), src=1)
+    gathered = comm.gather(torch.full((1, 2), float(rank)), dst=0, dim=-1)
+    if rank == 0:
+        comm.send(torch.arange(3.0), dst=1)
+        echoed = comm.recv(torch.empty(3), src=1)
+    else:
+        echoed = comm.recv(torch.empty(3), src=0)
+        comm.send(echoed * 2, dst=0)
+    results.put((rank, broadcast.tolist(), gathered.tolist(), echoed.tolist()))
+    dist.destroy_process_group()
+
+
+def test_communicator_broadcast_gather_send_recv_between_two_processes():
+    from tokenmill.executor.multiproc import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_collectives_on_rank, args=(rank, port, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    answers = dict((rank, rest) for rank, *rest in (results.get(timeout=120) for _ in processes))
+    for process in processes:
+        process.join(30)
+    assert answers[0] == [[6.0, 6.0], [[0.0, 0.0, 1.0, 1.0]], [0.0, 2.0, 4.0]]
+    assert answers[1] == [[6.0, 6.0], [[1.0, 1.0]], [0.0, 1.0, 2.0]]  # a rank other than dst keeps its own
+
+
 def _stage_contents(worker: Any) -> tuple[int, bool, bool, list[int]]:
     """(decoder layers whose KV cache this rank holds, whether it has the embedding, the lm_head;
     the layer index of every parameter it holds)."""

@@ -37,6 +37,16 @@ class Communicator:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor:
+        """On rank ``dst``: every rank's ``x`` concatenated along ``dim`` in rank order. On the
+        others: their own ``x`` (nothing comes back to them; half the traffic of an all-gather)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(x, parts, dst=self._global(dst), group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else x
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank (in place: the others' ``x`` is overwritten)."""
         if self.world_size > 1:
