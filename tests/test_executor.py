@@ -70,7 +70,7 @@ def test_an_executor_registered_by_a_plugin_runs_the_model(llama_path, expected)
 
 def test_an_unknown_executor_name_lists_the_registered_ones(llama_path):
     with pytest.raises(ValueError, match=r"unknown distributed_executor_backend 'nope'; registered executors: "
-                                         r"in-process-ranks, mp, recording, uni"):
+                                         r"in-process-ranks, mp, ray, recording, uni"):
         LLM(str(llama_path), distributed_executor_backend="nope", **ENGINE_ARGS)
 
 

@@ -52,6 +52,18 @@ def test_int8_checkpoint_generates_like_transformers_on_dequantised_weights(int8
         assert ours == pytest.approx(logprobs, abs=1e-3), f"prompt {i}: logprobs differ"
 
 
+def test_int8_checkpoint_splits_over_two_ranks(int8_pair):
+    """Column- and row-parallel int8 layers (qweight sliced by output rows or input columns,
+    the scales by output rows or whole): two ranks give the dequantised reference's tokens."""
+    quantized, dequantized = int8_pair
+    expected = [tokens for tokens, _ in hf_greedy(dequantized, _prompts(), MAX_NEW)]
+    llm = LLM(str(quantized), dtype="float32", max_model_len=96, kv_cache_memory="16MiB", tensor_parallel_size=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [list(out.outputs[0].token_ids) for out in outputs] == expected
+    llm.engine.shutdown()
+
+
 def test_int8_checkpoint_differs_from_its_float_original(model_factory, tmp_path_factory):
     """The quantization is real: the int8 model's logprobs are not the float model's."""
     quantized, dequantized = tmp_path_factory.mktemp("int8"), tmp_path_factory.mktemp("dequantized")

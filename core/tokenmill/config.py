@@ -94,10 +94,13 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model's layers are split over (tensor "
                                                            "parallelism), one worker process each",
                                       json_schema_extra=cli(_RUN))
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the model's decoder layers are split "
+                                                             "into (pipeline parallelism), tensor_parallel_size "
+                                                             "worker processes each", json_schema_extra=cli(_RUN))
     distributed_executor_backend: str = Field(
         "uni", description="Executor that runs the model's workers, by its registered name (see `tokenmill plugins`; "
                           "default: uni, one worker in the engine's own process, or mp, one process per rank, "
-                          "when tensor_parallel_size > 1)", json_schema_extra=cli(_RUN))
+                          "when tensor_parallel_size or pipeline_parallel_size > 1)", json_schema_extra=cli(_RUN))
     quantization: str | None = Field(
         None, description="Quantization method, by its registered name or checkpoint alias (see `tokenmill plugins`; "
                           "default: the one the checkpoint declares, in config.json's quantization_config or its "
@@ -128,7 +131,8 @@ class EngineConfig(BaseModel):
         """Left unset, the executor is "uni" for one rank and "mp" (a process per rank) for more."""
         if isinstance(data, dict) and data.get("distributed_executor_backend") is None:
             data = {key: value for key, value in data.items() if key != "distributed_executor_backend"}
-            if int(data.get("tensor_parallel_size") or 1) > 1:
+            ranks = int(data.get("tensor_parallel_size") or 1) * int(data.get("pipeline_parallel_size") or 1)
+            if ranks > 1:
                 data["distributed_executor_backend"] = "mp"
         return data
 
@@ -143,6 +147,11 @@ class EngineConfig(BaseModel):
         if self.runner == "auto":
             object.__setattr__(self, "runner", wanted)  # validate_assignment would re-run this validator
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks the model is split over: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @field_validator("plugin_options")
     @classmethod

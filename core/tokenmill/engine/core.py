@@ -12,11 +12,12 @@ from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.runner import choose_runner
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
+from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.model_loader.loader import default_model, load_checkpoint
+from tokenmill.model_loader.loader import default_model, load_checkpoint, resolve_model_class
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
@@ -54,10 +55,14 @@ class EngineCore:
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.hf_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_parallel(self.checkpoint.hf_config,
+                                    resolve_model_class(self.checkpoint, self.plugins, self.platform),
+                                    config.pipeline_parallel_size)
         self.worker_spec = WorkerSpec(
             model_path=str(self.checkpoint.path), config=config, dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, plugins=loaded_plugin_names(self.plugins),
-            world_size=config.tensor_parallel_size)
+            world_size=config.world_size)
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
                                                   checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()

@@ -54,8 +54,9 @@ class Executor(ABC):
         """
 
     def kv_bytes_per_block(self) -> int:
-        """KV bytes one block takes across all layers, on one worker (every rank holds the same share)."""
-        return int(self.collective_rpc("kv_bytes_per_block")[0])
+        """KV bytes one block takes across all layers, on the worker that holds the most (every
+        rank holds the same number of blocks; pipeline stages may hold different layer counts)."""
+        return max(int(n) for n in self.collective_rpc("kv_bytes_per_block"))
 
     def kv_cache_budget(self) -> int:
         """Bytes the KV cache may use: the least any worker's platform measured after loading,
@@ -85,9 +86,10 @@ class Executor(ABC):
         return None
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
-        """The last forward's output, sampled within ``grammar``: rank 0's (only rank 0 samples)."""
+        """The last forward's output, sampled within ``grammar``: the sampling rank's (the only
+        one that samples: rank 0, or the last pipeline stage's first rank)."""
         outputs: list[ModelRunnerOutput] = self.collective_rpc("sample_tokens", (grammar,))
-        return outputs[0]
+        return outputs[self.spec.sampling_rank]
 
     def shutdown(self) -> None:
         """Release workers and device memory."""

@@ -1,4 +1,5 @@
-"""The multi-process executor ("mp"): one worker process per tensor-parallel rank.
+"""The multi-process executor ("mp"): one worker process per rank (tensor-parallel ranks
+times pipeline stages).
 
 Each rank is a process started with multiprocessing's "spawn" context (a fresh
 interpreter: no forked torch state or threads). It joins the ``torch.distributed``
@@ -50,14 +51,15 @@ class WorkerFailure(RuntimeError):
 
 
 class MultiprocExecutor(Executor):
-    """``spec.config.tensor_parallel_size`` worker processes (``spec.world_size`` is set to it)."""
+    """``spec.config.world_size`` worker processes (``spec.world_size`` is set to it)."""
 
     def __init__(self, spec: WorkerSpec, platform: Platform | None = None, **worker_args: Any) -> None:
-        world_size = spec.config.tensor_parallel_size
+        world_size = spec.config.world_size
         super().__init__(spec)
         devices = platform_device_count(platform) if platform is not None else None
         if devices is not None and devices < world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} needs a device per rank; the "
+            raise ValueError(f"tensor_parallel_size={spec.config.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{spec.config.pipeline_parallel_size} needs a device per rank; the "
                              f"{getattr(platform, 'name', 'platform')} platform has {devices}")
         backend = platform.dist_backend if platform is not None else "gloo"
         threads = rank_threads(spec, world_size)
@@ -96,8 +98,12 @@ class MultiprocExecutor(Executor):
                 return failed(error)
             raise error
         with self._send_lock:  # the calls reach every rank in one order
-            for pipe in self.pipes:
-                pipe.send((method, args, kwargs))
+            for rank, pipe in enumerate(self.pipes):
+                try:
+                    pipe.send((method, args, kwargs))
+                except OSError as exc:  # a rank that died: its end of the pipe is gone
+                    lost = self._collector.submit(self._lost, rank, exc)
+                    return lost if non_block else lost.result()
             future: Future[list[Any]] = self._collector.submit(self._gather)
         return future if non_block else future.result()
 
@@ -105,12 +111,12 @@ class MultiprocExecutor(Executor):
         """Every rank's answer to the oldest outstanding call, in rank order."""
         results = []
         for rank, pipe in enumerate(self.pipes):
-            while not pipe.poll(POLL_SECONDS):
-                self._check_alive()
             try:
+                while not pipe.poll(POLL_SECONDS):
+                    self._check_alive()
                 status, value = pipe.recv()
-            except EOFError:
-                self._check_alive()
+            except (EOFError, OSError):  # a rank that died closes its pipe a moment before it can be reaped
+                self._check_alive(grace=DEATH_GRACE_SECONDS)
                 self._fail(f"worker rank {rank} closed its pipe")
             if status == "error":
                 # A rank that died explains the others' failed collectives best; its peers see
@@ -119,6 +125,12 @@ class MultiprocExecutor(Executor):
                 self._fail(f"worker rank {rank} raised:\n{value}")
             results.append(value)
         return results
+
+    def _lost(self, rank: int, exc: OSError) -> list[Any]:
+        """Fail for a rank whose pipe broke: by its death where it shows, else by the pipe."""
+        self._check_alive(grace=DEATH_GRACE_SECONDS)
+        self._fail(f"worker rank {rank}'s pipe broke: {exc}")
+        return []  # unreachable: _fail raises
 
     def _check_alive(self, grace: float = 0.0) -> None:
         """Fail naming the first rank that is dead, waiting up to ``grace`` seconds for one to be."""

@@ -26,9 +26,10 @@ class UniProcExecutor(Executor):
     def __init__(self, spec: WorkerSpec, plugins: PluginManager | None = None, platform: Platform | None = None,
                  checkpoint: Checkpoint | None = None, progress: bool = False, **worker_args: Any) -> None:
         super().__init__(spec)
-        if spec.config.tensor_parallel_size > 1:
+        if spec.config.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, not tensor_parallel_size="
-                             f"{spec.config.tensor_parallel_size}: use 'mp' (the default for more than one rank)")
+                             f"{spec.config.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{spec.config.pipeline_parallel_size}: use 'mp' (the default for more than one rank)")
         self.worker = Worker(spec, plugins=plugins, platform=platform, checkpoint=checkpoint, progress=progress)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),

@@ -39,6 +39,7 @@ from tokenmill.layers.packed_int import (
     unpack_rows,
     values_per_word,
 )
+from tokenmill.layers.pipeline import PipelineStage, left_out_prefixes, make_layers, on_stage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
 
@@ -69,6 +70,7 @@ __all__ = [
     "NativeLayerOps",
     "OutputShardLoader",
     "ParallelLMHead",
+    "PipelineStage",
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
@@ -83,7 +85,10 @@ __all__ = [
     "get_rotary_embedding",
     "layer_ops",
     "load_imbalance",
+    "left_out_prefixes",
     "load_weight",
+    "make_layers",
+    "on_stage",
     "register_layer_ops",
     "rope_inverse_frequencies",
     "select_experts",

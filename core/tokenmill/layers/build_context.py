@@ -7,6 +7,8 @@ to the modules it creates, so every layer knows its checkpoint prefix
 linear method it gets. The parallel fields describe the tensor-parallel group the
 layers shard over (``rank`` of ``world_size``); ``comm`` runs its collectives
 (a group of one: every collective is a no-op, and the layers are unsplit).
+``pipeline`` is the pipeline stage this rank builds (:mod:`tokenmill.layers.pipeline`: which
+decoder layers, whether the embedding or the lm_head; one stage: all of them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.ops import LayerOps, layer_ops
+from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
 
 if TYPE_CHECKING:
     from tokenmill.layers.linear import LinearMethod
@@ -48,6 +51,7 @@ class ModelBuildContext:
     params_dtype: torch.dtype = dataclasses.field(default_factory=torch.get_default_dtype)
     layer_ops: LayerOps = dataclasses.field(default_factory=lambda: layer_ops(torch.get_default_device()))
     shared: dict[Any, nn.Module] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    pipeline: PipelineStage = dataclasses.field(default=SINGLE_STAGE, compare=False)
 
     def child(self, name: str) -> ModelBuildContext:
         """The context of submodule ``name``: ``ctx.child("layers.3")`` under prefix

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 
 class Communicator:
-    """All-reduce (sum) and all-gather over ``group`` (None: the default group)."""
+    """All-reduce (sum), all-gather, broadcast and point-to-point send/recv over ``group``
+    (None: the default group). Ranks are ranks within the group."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
         self.rank = rank
@@ -35,6 +36,35 @@ class Communicator:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor:
+        """On rank ``dst``: every rank's ``x`` concatenated along ``dim`` in rank order. On the
+        others: their own ``x`` (nothing comes back to them; half the traffic of an all-gather)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(x, parts, dst=self._global(dst), group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank (in place: the others' ``x`` is overwritten)."""
+        if self.world_size > 1:
+            dist.broadcast(x, self._global(src), group=self.group)
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send ``x`` to rank ``dst``, which must :meth:`recv` a tensor of its shape and dtype."""
+        dist.send(x.contiguous(), self._global(dst), group=self.group)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive rank ``src``'s :meth:`send` into ``x`` (returned)."""
+        dist.recv(x, self._global(src), group=self.group)
+        return x
+
+    def _global(self, rank: int) -> int:
+        """torch.distributed names peers by their rank in the default group."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 
 SINGLE_RANK = Communicator()

@@ -14,9 +14,10 @@ class ParallelLMHead(Linear):
     Each rank holds ``ceil(vocab / world_size)`` rows of the head (the rows
     :class:`~tokenmill.layers.embedding.VocabEmbedding` with ``parallel=True`` holds, so a
     tied head shares the rank's table; the last rank's rows past the vocabulary are zero),
-    computes its slice of the logits, and the slices are all-gathered and cut back to the
-    vocabulary. Every rank must therefore compute logits for the same rows together: the
-    model runner of a rank that does not sample mirrors rank 0's calls. With one rank it is
+    computes its slice of the logits, and the slices are gathered to the group's rank 0 (the
+    one that samples) and cut back to the vocabulary; another rank gets its own slice back.
+    Every rank must therefore compute logits for the same rows together: the model runner of
+    a rank that does not sample mirrors rank 0's calls (and drops them). With one rank it is
     a plain :class:`Linear` of ``vocab`` outputs.
     """
 
@@ -31,4 +32,4 @@ class ParallelLMHead(Linear):
         logits = self.quant_method.apply(self, x)
         if self.parallel == "none":
             return logits
-        return self.comm.all_gather(logits, dim=-1)[..., : self.vocab_size]
+        return self.comm.gather(logits, dst=0, dim=-1)[..., : self.vocab_size]

@@ -26,6 +26,8 @@ def tokenmill_register_structured_output_backends() -> dict[str, str]:
 
 @hookimpl
 def tokenmill_register_executors() -> dict[str, str]:
-    """The in-process executor (one worker in the engine's own process) and the
-    multi-process one (a worker process per tensor-parallel rank)."""
-    return {"uni": "tokenmill.executor.uniproc:UniProcExecutor", "mp": "tokenmill.executor.multiproc:MultiprocExecutor"}
+    """The in-process executor (one worker in the engine's own process), the multi-process
+    one (a worker process per rank) and the Ray one (a Ray actor per rank; Ray is optional,
+    imported only when it is chosen)."""
+    return {"uni": "tokenmill.executor.uniproc:UniProcExecutor", "mp": "tokenmill.executor.multiproc:MultiprocExecutor",
+            "ray": "tokenmill.executor.ray_executor:RayExecutor"}

@@ -13,6 +13,7 @@ from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.linear import process_weights_after_loading
 from tokenmill.layers.ops import layer_ops
+from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.worker.model_interface import CausalLM
@@ -32,18 +33,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                 progress: bool = False, *, quant_config: QuantizationConfig | None = None,
-                comm: Communicator = SINGLE_RANK) -> CausalLM:
+                comm: Communicator = SINGLE_RANK, stage: PipelineStage = SINGLE_STAGE) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
     The model is built as ``model_cls(hf_config, ctx=ModelBuildContext(...))``
     (:class:`~tokenmill.worker.model_interface.CausalLMClass`), its linear layers
     taking their methods from ``quant_config``. Every parameter must come from the
     checkpoint: a missing one is an error, not a silently random weight. ``comm``: the
-    tensor-parallel group this rank builds its share of the model for (one rank: all of it).
+    tensor-parallel group this rank builds its share of the model for (one rank: all of it);
+    ``stage``: the pipeline stage it builds the layers of (one stage: all of them).
     """
     ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, rank=comm.rank,
                             world_size=comm.world_size, process_group=comm.group, comm=comm, params_dtype=dtype,
-                            layer_ops=layer_ops(device))
+                            layer_ops=layer_ops(device), pipeline=stage)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(checkpoint.hf_config, ctx=ctx)
     weights = checkpoint.weights()

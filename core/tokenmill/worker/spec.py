@@ -28,9 +28,15 @@ class WorkerSpec:
     local_rank: int = 0
 
     @property
+    def sampling_rank(self) -> int:
+        """The one rank that samples: rank 0, or under pipeline parallelism the first rank of
+        the last stage (which holds the lm_head; ranks are ``stage * tensor_parallel_size + tp_rank``)."""
+        return (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
+
+    @property
     def samples(self) -> bool:
-        """Only rank 0 samples: the other ranks run the forward and return no tokens."""
-        return self.rank == 0
+        """Only the sampling rank samples: the other ranks run the forward and return no tokens."""
+        return self.rank == self.sampling_rank
 
     def for_rank(self, rank: int, local_rank: int | None = None) -> WorkerSpec:
         return replace(self, rank=rank, local_rank=rank if local_rank is None else local_rank)

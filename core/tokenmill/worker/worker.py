@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
+from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
@@ -34,6 +34,7 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.parallel_groups import parallel_groups
 from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import StepGraphCapture
@@ -58,9 +59,10 @@ class Worker:
         dtype = getattr(torch, spec.dtype)
         if checkpoint is None:
             checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
+        groups = parallel_groups(spec)
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
                                           progress=progress and spec.rank == 0, samples=spec.samples,
-                                          comm=tensor_parallel_group(spec))
+                                          comm=groups.tensor, stage=groups.stage)
 
     def execute_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
@@ -98,27 +100,15 @@ class Worker:
         self.runner.free_kv_cache()
 
 
-def tensor_parallel_group(spec: WorkerSpec) -> Communicator:
-    """The collectives this rank's model shards over: ``tensor_parallel_size`` ranks of the
-    default ``torch.distributed`` group, which the executor initialised before building the
-    worker (a worker of a group of one needs none). ``spec.world_size`` alone does not split
-    the model: an executor may run several whole copies."""
-    size = spec.config.tensor_parallel_size
-    if size == 1:
-        return SINGLE_RANK
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != size:
-        raise RuntimeError(f"tensor_parallel_size={size}: worker rank {spec.rank} needs torch.distributed "
-                           f"initialised with {size} ranks by its executor")
-    return Communicator(spec.rank, size)
-
-
 def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginManager, checkpoint: Checkpoint,
                         dtype: torch.dtype, max_model_len: int, progress: bool = False,
-                        samples: bool = True, comm: Communicator = SINGLE_RANK) -> ModelRunner:
+                        samples: bool = True, comm: Communicator = SINGLE_RANK,
+                        stage: PipelineStage = SINGLE_STAGE) -> ModelRunner:
     model_cls = resolve_model_class(checkpoint, plugins, platform)
     device = platform.device()
     quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
-    model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config, comm=comm)
+    model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config, comm=comm,
+                        stage=stage)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     needs = AttentionRequirements(
         device_type=platform.device_type,
@@ -139,10 +129,10 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         max_model_len=max_model_len,
         block_size=config.block_size,
         kv_allocator=platform_kv_allocator(platform),
-        graph_capture=_graph_capture(config, platform, backend, comm),
+        graph_capture=_graph_capture(config, platform, backend, comm, stage),
         max_graph_batch_size=config.max_graph_batch_size,
         samples=samples,
-        mirrors_logits=comm.world_size > 1,
+        mirrors_logits=comm.world_size > 1 and stage.is_last,  # only the last stage has an lm_head
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
@@ -159,9 +149,11 @@ def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: 
     return SpecDecodeRunner(build_proposer(speculative, plugins, context), speculative.num_speculative_tokens)
 
 
-def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator) -> StepGraphCapture | None:
-    """The platform, if decode steps may run through its step graphs. Not under tensor
-    parallelism: a step graph records kernel calls, and a gloo collective is not one."""
-    if config.enforce_eager or comm.world_size > 1 or not getattr(backend, "supports_step_graphs", False):
+def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator,
+                   stage: PipelineStage = SINGLE_STAGE) -> StepGraphCapture | None:
+    """The platform, if decode steps may run through its step graphs. Not under tensor or
+    pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one."""
+    if (config.enforce_eager or comm.world_size > 1 or stage.size > 1
+            or not getattr(backend, "supports_step_graphs", False)):
         return None
     return platform_step_graph_capture(platform)

@@ -7,7 +7,10 @@ q/k/v and gate/up are each merged into one matmul; ``load_weights`` maps the
 checkpoint's separate tensors into their shards. Under tensor parallelism (the build
 context's ``world_size``) q/k/v and gate/up are column-parallel (heads and the MLP's
 columns divided among the ranks; K/V heads replicated when fewer than the ranks),
-o_proj and down_proj row-parallel, the embedding and the lm_head split by vocabulary. Every module is built from the
+o_proj and down_proj row-parallel, the embedding and the lm_head split by vocabulary. Under pipeline
+parallelism (the context's ``pipeline`` stage) each stage builds its share of the decoder layers, the
+first the embedding, the last the norm and lm_head; hidden state and residual travel between stages
+together. Every module is built from the
 model's build context, so each linear layer knows its checkpoint prefix
 (``model.layers.3.self_attn.qkv_proj``) and takes its method from the quant config.
 """
@@ -31,7 +34,11 @@ from tokenmill.layers import (
     VocabEmbedding,
     get_rotary_embedding,
     layer_ops,
+    left_out_prefixes,
     load_weight,
+    make_layers,
+    on_stage,
+    UnquantizedLinearMethod,
 )
 from tokenmill.plugin_api import AttentionMetadata
 
@@ -141,17 +148,29 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, ctx: ModelBuildContext, flags: dict[str, bool]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"),
-                                           parallel=True)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.stage = stage = ctx.pipeline
+        self.hidden_size = config.hidden_size
+        self.dtype = ctx.params_dtype
+        self.embed_tokens = on_stage(stage.is_first, lambda: VocabEmbedding(
+            config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"), parallel=True))
+        self.layers = make_layers(config.num_hidden_layers, stage,
+                                  lambda i: LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags))
+        self.stage_layers = stage.layer_range(config.num_hidden_layers)
+        self.norm = on_stage(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+        residual: torch.Tensor | None
+        if self.stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = self.stage.receive(2, (input_ids.shape[0], self.hidden_size), self.dtype,
+                                                  input_ids.device)
+        for i in self.stage_layers:
+            hidden, residual = self.layers[i](positions, hidden, residual, metadata)
+        if not self.stage.is_last:
+            assert residual is not None  # every stage holds a layer
+            self.stage.send(hidden, residual)
+            return hidden  # what the next stage continues from; this stage computes no logits
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)
@@ -167,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: ClassVar[bool | None] = None  # None: the config's ``attention_bias``
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
+    supports_pipeline_parallel: ClassVar[bool] = True  # builds by stage (tokenmill.layers.pipeline)
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -180,11 +200,16 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ctx.child("model"), flags)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied lm_head multiplies by the embedding table itself (the same rows of it on
-        # each rank), in the table's form: float, or the embedding method's.
-        tied_method = self.model.embed_tokens.tied_head_method() if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
-                                      quant_method=tied_method)
-        if self.tie_word_embeddings:
+        # each rank), in the table's form: float, or the embedding method's. On a last pipeline
+        # stage that is not also the first, the embedding is not there: the head loads its table (float).
+        stage = ctx.pipeline
+        shares_table = self.tie_word_embeddings and stage.is_first and stage.is_last
+        self.lm_head_loads_embedding = self.tie_word_embeddings and stage.is_last and not stage.is_first
+        tied_method = (self.model.embed_tokens.tied_head_method() if shares_table
+                       else UnquantizedLinearMethod() if self.lm_head_loads_embedding else None)
+        self.lm_head = on_stage(stage.is_last, lambda: ParallelLMHead(
+            config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"), quant_method=tied_method))
+        if shares_table:
             self.model.embed_tokens.tie(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -199,9 +224,14 @@ class LlamaForCausalLM(nn.Module):
         loader, q/k/v and gate/up as shards of their merged layer; returns the
         parameters loaded."""
         params = dict(self.named_parameters())
+        other_stages = left_out_prefixes(self)  # under pipeline parallelism: tensors another stage loads
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            if self.lm_head_loads_embedding and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
+            if name.startswith(other_stages):
                 continue
             module_path, _, leaf = name.rpartition(".")
             owner, _, proj = module_path.rpartition(".")

@@ -45,8 +45,9 @@ class Int8WeightOnlyMethod:
                        params_dtype: torch.dtype) -> None:
         output_size = sum(output_partition_sizes)
         shards = layer.output_loader  # the layer's shard layout, not the layer (no reference cycle)
+        # input_dim: a row-parallel layer's rank takes its columns (the per-output scales stay whole)
         layer.add_parameter("qweight", torch.empty(output_size, input_size, dtype=torch.int8), output_dim=0,
-                            weight_loader=functools.partial(_load_qweight, shards))
+                            input_dim=1, weight_loader=functools.partial(_load_qweight, shards))
         layer.add_parameter("scales", torch.empty(output_size, dtype=torch.float32), output_dim=0,
                             weight_loader=functools.partial(_load_scales, shards))
 
