@@ -33,6 +33,7 @@ from tokenmill_cli.bench.datasets import (
 from tokenmill_cli.bench.metrics import RequestRecord, compute_metrics, summarize
 from tokenmill_cli.bench.random_model import PRESETS, LlamaSizes, resolve_sizes
 from tokenmill_cli.bench.serve_client import arrival_offsets
+from tokenmill_cli.bench.system import cpu_json
 from tokenmill_cli.main import app
 
 VOCAB = 512
@@ -264,6 +265,60 @@ def test_bad_options_fail_cleanly(model_dir: Path) -> None:
     result = runner.invoke(app, ["bench", "throughput", "--model", str(model_dir), "--random-input-len", "300",
                                  "--num-prompts", "1", *ENGINE])
     assert result.exit_code == 2 and "max_model_len" in result.output
+
+
+# -- the contention benchmark --------------------------------------------------------------
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, fields 14 and 15 of stat(5)
+
+
+@pytest.mark.parametrize("kind", ["matmul", "python"])
+def test_background_load_runs_busy_processes_and_always_stops_them(kind: str) -> None:
+    from tokenmill_cli.bench.background_load import background_load
+
+    with pytest.raises(KeyboardInterrupt), background_load(2, kind) as processes:
+        assert len(processes) == 2 and all(p.poll() is None for p in processes)
+        deadline = time.monotonic() + 30
+        while min(_cpu_ticks(p.pid) for p in processes) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert min(_cpu_ticks(p.pid) for p in processes) >= 5, "the busy processes did not run"
+        raise KeyboardInterrupt  # an interrupted benchmark stops its neighbours too
+    assert all(p.poll() is not None for p in processes)
+    assert not any(Path(f"/proc/{p.pid}").exists() for p in processes)
+
+
+def test_throughput_beside_a_busy_process_reports_the_quiet_run_too(model_dir: Path, tmp_path: Path) -> None:
+    r = bench_json(tmp_path, "throughput", ["--model", str(model_dir), *RANDOM_RUN, *ENGINE,
+                                            "--background-load", "1"])
+    assert (r["background_load"], r["background_kind"]) == (1, "matmul")
+    assert r["quiet_total_token_throughput"] > 0 and r["total_token_throughput"] > 0
+    assert r["relative_total_token_throughput"] == pytest.approx(
+        r["total_token_throughput"] / r["quiet_total_token_throughput"])
+    assert r["completed"] == 6 and r["cpu_model"] == cpu_json()["cpu_model"]
+
+
+def test_the_cpu_and_its_vector_extensions_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma avx512f "
+                    "avx512_bf16 avx512_vnni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
+    assert cpu_json(str(info)) == {"cpu_model": "AMD EPYC 9R14", "cpu_isa": "avx2 fma avx512f avx512_vnni avx512_bf16"}
+    assert cpu_json(str(tmp_path / "missing")) == {"cpu_model": None, "cpu_isa": None}
+
+
+def test_latency_beside_a_busy_process_and_a_bad_kind(model_dir: Path, tmp_path: Path) -> None:
+    r = bench_json(tmp_path, "latency", ["--model", str(model_dir), "--input-len", "8", "--output-len", "4",
+                                         "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "2", *ENGINE,
+                                         "--background-load", "1", "--background-kind", "python"])
+    assert (r["background_load"], r["background_kind"]) == (1, "python") and len(r["latencies"]) == 2
+    assert r["relative_avg_latency"] == pytest.approx(r["avg_latency"] / r["quiet_avg_latency"])
+    result = runner.invoke(app, ["bench", "latency", "--model", str(model_dir), "--background-load", "1",
+                                 "--background-kind", "bitcoin", *ENGINE])
+    assert result.exit_code == 2 and "matmul" in result.output
+
+
+def test_a_quiet_run_reports_no_load(throughput_result: dict[str, Any]) -> None:
+    assert throughput_result["background_load"] is None and "quiet_total_token_throughput" not in throughput_result
 
 
 # -- against a real server ----------------------------------------------------------------

@@ -13,6 +13,8 @@ import typer
 
 from tokenmill.config import EngineConfig
 from tokenmill_cli.bench.options import (
+    BackgroundKind,
+    BackgroundLoad,
     BenchSeed,
     CustomOutputLen,
     DatasetName,
@@ -94,6 +96,15 @@ def _percentiles(text: str) -> tuple[float, ...]:
         raise typer.BadParameter(str(exc), param_hint="--metric-percentiles") from exc
 
 
+def _background_kind(kind: str) -> str:
+    from tokenmill_cli.bench.background_load import check_kind
+
+    try:
+        return check_kind(kind)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--background-kind") from exc
+
+
 def throughput(
     engine: EngineConfig,
     backend: OfflineBackend = "tokenmill",
@@ -126,6 +137,8 @@ def throughput(
     disable_log_stats: Annotated[bool, typer.Option(
         "--disable-log-stats", help="Run the engine without the server's stat loggers (Prometheus, the log "
                                     "line), to measure what metrics cost")] = False,
+    background_load: BackgroundLoad = 0,
+    background_kind: BackgroundKind = "matmul",
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
     from tokenmill_cli.bench.structured import constraint_of, print_comparison
@@ -144,7 +157,8 @@ def throughput(
     opts = ThroughputOptions(backend=backend, hf_batch_size=hf_batch_size, peak_gflops=peak_gflops,
                              percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
                              structured_output=structured_output, compare_structured_rounds=compare_structured,
-                             disable_log_stats=disable_log_stats)
+                             disable_log_stats=disable_log_stats, background_load=background_load,
+                             background_kind=_background_kind(background_kind))
     model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
     (print_comparison if compare_structured else print_throughput)(result)
@@ -162,12 +176,15 @@ def latency(
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
+    background_load: BackgroundLoad = 0,
+    background_kind: BackgroundKind = "matmul",
 ) -> None:
     from tokenmill_cli.bench.latency import LatencyOptions, print_latency, run_latency
 
     opts = LatencyOptions(backend=backend, input_len=input_len, output_len=output_len, batch_size=batch_size,
                           num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=engine.seed,
-                          percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm)
+                          percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
+                          background_load=background_load, background_kind=_background_kind(background_kind))
     model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_latency(model, kwargs, opts))
     print_latency(result)

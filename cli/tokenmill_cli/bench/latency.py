@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 
 from tokenmill_cli.bench.backends import Backend, canonical_backend, create_backend
+from tokenmill_cli.bench.background_load import background_load
+from tokenmill_cli.bench.contention import CONTENTION_ROWS, contention_json, result_figures
 from tokenmill_cli.bench.datasets import BenchRequest, Vocabulary
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import achieved_gbps
-from tokenmill_cli.bench.system import measure_read_gbps, memory_json, process_start_time, startup_seconds
+from tokenmill_cli.bench.system import cpu_json, measure_read_gbps, memory_json, process_start_time, startup_seconds
 
 VLLM_PERCENTILES = (10, 25, 50, 75, 90, 99)  # the `percentiles` object `vllm bench latency` writes
 
@@ -42,6 +44,8 @@ class LatencyOptions:
     seed: int = 0
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     disable_tqdm: bool = False
+    background_load: int = 0  # > 0: run quiet, then beside this many busy processes (bench.background_load)
+    background_kind: str = "matmul"
 
 
 @dataclass(frozen=True)
@@ -70,13 +74,19 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], opts: LatencyO
 
     warmups = [_iteration(backend, batch(), opts.temperature)
                for _ in _progress(opts.num_iters_warmup, "Warm-up", opts.disable_tqdm)]
+    quiet = None
+    if opts.background_load:  # the same iterations on the quiet machine first, to compare against
+        quiet = _figures([_iteration(backend, batch(), opts.temperature)
+                          for _ in _progress(opts.num_iters, "Quiet", opts.disable_tqdm)], opts.percentiles)
     before = backend.counters()
-    iterations = [_iteration(backend, batch(), opts.temperature)
-                  for _ in _progress(opts.num_iters, "Latency", opts.disable_tqdm)]
+    with background_load(opts.background_load, opts.background_kind):
+        iterations = [_iteration(backend, batch(), opts.temperature)
+                      for _ in _progress(opts.num_iters, "Latency", opts.disable_tqdm)]
     first_token = (warmups or iterations)[0].first_token
     result = _result(backend, backend_name, model, opts, iterations, engine_kwargs,
                      startup_seconds(first_token, process_start))
-    return {**result, **backend.counters().since(before).spec_decode_json(engine_kwargs)}
+    return {**result, **backend.counters().since(before).spec_decode_json(engine_kwargs), **cpu_json(),
+            **contention_json(opts.background_load, opts.background_kind, result_figures(result), quiet)}
 
 
 def _iteration(backend: Backend, requests: list[BenchRequest], temperature: float) -> Iteration:
@@ -115,9 +125,7 @@ def _result(backend: Backend, backend_name: str, model: str | None, opts: Latenc
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in VLLM_PERCENTILES},
         "output_throughput": opts.batch_size * opts.output_len / fmean(latencies),
     }
-    for name, values in (("latency", latencies), ("ttft", [it.ttft_s for it in iterations]),
-                         ("tpot", [it.tpot_s for it in iterations])):
-        result.update({f"{stat}_{name}_ms": v for stat, v in summarize(values, opts.percentiles, 1000.0).items()})
+    result.update(_figures(iterations, opts.percentiles))
     memory = memory_json()  # before the ceiling's buffer (up to 1 GiB) can raise the peaks
     if backend.weights is not None:
         achieved = achieved_gbps(backend.weights, tpot)
@@ -127,6 +135,15 @@ def _result(backend: Backend, backend_name: str, model: str | None, opts: Latenc
                        "read_ceiling_gbps": ceiling, "bandwidth_fraction": achieved / ceiling if ceiling > 0 else 0.0})
     result.update({**memory, "startup_s": startup_s, "engine_args": engine_kwargs})
     return result
+
+
+def _figures(iterations: list[Iteration], percentiles: tuple[float, ...]) -> dict[str, Any]:
+    """Mean seconds per iteration and the latency/TTFT/TPOT summaries in ms (``mean_tpot_ms``, ...)."""
+    figures: dict[str, Any] = {"avg_latency": fmean(it.latency_s for it in iterations)}
+    for name, values in (("latency", [it.latency_s for it in iterations]), ("ttft", [it.ttft_s for it in iterations]),
+                         ("tpot", [it.tpot_s for it in iterations])):
+        figures.update({f"{stat}_{name}_ms": v for stat, v in summarize(values, percentiles, 1000.0).items()})
+    return figures
 
 
 def _progress(count: int, desc: str, disable: bool) -> Any:
@@ -152,6 +169,9 @@ LATENCY_ROWS: list[Row] = [
     ("Peak RSS (MiB)", "peak_rss_mib", ".0f"),
     ("Peak device memory (MiB)", "peak_device_memory_mib", ".0f"),
     ("Start-up to first token (s)", "startup_s", ".2f"),
+    ("CPU", "cpu_model", ""),
+    ("CPU vector ISA", "cpu_isa", ""),
+    *CONTENTION_ROWS,
 ]
 
 

@@ -51,3 +51,9 @@ MetricPercentiles = Annotated[str, typer.Option(
     help="Percentiles to report besides mean and median, comma separated", rich_help_panel=_OUT)]
 OfflineBackend = Annotated[str, typer.Option(
     help="tokenmill (alias vllm) or hf: the same workload through transformers generate")]
+BackgroundLoad = Annotated[int, typer.Option(
+    min=0, help="Run the workload quiet, then beside N busy processes (one core's work each), and report both "
+                "(see tokenmill_cli.bench.background_load)", rich_help_panel="Contention")]
+BackgroundKind = Annotated[str, typer.Option(
+    help="What the busy processes of --background-load run: matmul (numpy) or python (a pure-Python loop)",
+    rich_help_panel="Contention")]

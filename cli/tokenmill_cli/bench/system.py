@@ -121,3 +121,26 @@ def memory_json() -> dict[str, float | None]:
 def startup_seconds(first_token_perf: float | None, process_start: float) -> float | None:
     """Process start to the first generated token, the issue's start-up measure."""
     return None if first_token_perf is None else wall_time(first_token_perf) - process_start
+
+
+# The vector extensions the CPU kernels can use, in the order they widen what a core does per cycle.
+_VECTOR_ISA = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_json(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str | None]:
+    """The CPU's model name and the vector extensions it has (from ``/proc/cpuinfo``): machines
+    differ from one run to the next, and kernels tuned on AVX-512 behave differently on AVX2 only."""
+    model: str | None = None
+    flags: set[str] = set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = " ".join(name for name in _VECTOR_ISA if name in flags) or None
+    return {"cpu_model": model, "cpu_isa": isa}

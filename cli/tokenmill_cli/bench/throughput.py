@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from tokenmill_cli.bench.backends import canonical_backend, create_backend
+from tokenmill_cli.bench.background_load import background_load
+from tokenmill_cli.bench.contention import CONTENTION_ROWS, contention_json, result_figures
 from tokenmill_cli.bench.datasets import (
     BenchRequest,
     DatasetContext,
@@ -30,7 +32,7 @@ from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary
 from tokenmill_cli.bench.roofline import roofline_json, useful_flops
 from tokenmill_cli.bench.stat_loggers import attach_stat_loggers, stat_logging_seconds
 from tokenmill_cli.bench.structured import compare, compile_grammar, constrain, ms_per_output_token
-from tokenmill_cli.bench.system import measure_peak_gflops, memory_json, process_start_time, startup_seconds
+from tokenmill_cli.bench.system import cpu_json, measure_peak_gflops, memory_json, process_start_time, startup_seconds
 
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 2
 
@@ -46,6 +48,8 @@ class ThroughputOptions:
     structured_output: str = "none"  # a constraint kind of bench.structured, applied to every request
     compare_structured_rounds: int = 0  # > 0: run plain and constrained this many times each, report both
     disable_log_stats: bool = False  # no Prometheus logger and log line on the engine (the server has both)
+    background_load: int = 0  # > 0: run quiet, then beside this many busy processes (bench.background_load)
+    background_kind: str = "matmul"
 
 
 def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: DatasetOptions,
@@ -67,16 +71,12 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
     compile_grammar(backend, requests, opts.temperature)
     startup_s = startup_seconds(_first_token(warmup), process_start)
 
-    before = backend.counters()
-    logging_before = stat_logging_seconds(backend)
-    bar = _progress(len(requests), opts.disable_tqdm)
-    start = time.perf_counter()
-    records = backend.run(requests, opts.temperature, on_finish=lambda: bar.update(1))
-    duration = time.perf_counter() - start
-    bar.close()
-    counters = backend.counters().since(before)
-    logging_after = stat_logging_seconds(backend)
-    stat_logging_s = None if logging_before is None or logging_after is None else logging_after - logging_before
+    quiet = None
+    if opts.background_load:  # the same workload on the quiet machine first, to compare against
+        quiet_records, quiet_duration, _, _ = _timed_run(backend, requests, opts)
+        quiet = compute_metrics(quiet_records, quiet_duration, opts.percentiles).as_json()
+    with background_load(opts.background_load, opts.background_kind):
+        records, duration, counters, stat_logging_s = _timed_run(backend, requests, opts)
     memory = memory_json()  # before the peak measurement's matrices can raise the peaks
     # Measured after the run, not before: start-up work still running in the background
     # (the CPU platform's KV prefault) would share the cores and understate the peak.
@@ -113,6 +113,8 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "log_stats": log_stats,
         "stat_logging_s": stat_logging_s,
         "stat_logging_fraction": stat_logging_s / duration if stat_logging_s is not None and log_stats else None,
+        **cpu_json(),
+        **contention_json(opts.background_load, opts.background_kind, result_figures(metrics.as_json()), quiet),
     }
     if backend.weights is not None:
         flops = useful_flops(backend.weights, records, counters.prefix_hits)
@@ -122,6 +124,22 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
                        "peak_gflops": peak, "peak_gflops_source": peak_source,
                        "roofline_fraction": roofline["fraction"]})
     return result
+
+
+def _timed_run(backend: Any, requests: Sequence[BenchRequest],
+               opts: ThroughputOptions) -> tuple[list[RequestRecord], float, Any, float | None]:
+    """The workload once, timed: its records, duration, engine counters and time in stat logging."""
+    before = backend.counters()
+    logging_before = stat_logging_seconds(backend)
+    bar = _progress(len(requests), opts.disable_tqdm)
+    start = time.perf_counter()
+    records = backend.run(requests, opts.temperature, on_finish=lambda: bar.update(1))
+    duration = time.perf_counter() - start
+    bar.close()
+    counters = backend.counters().since(before)
+    logging_after = stat_logging_seconds(backend)
+    stat_logging_s = None if logging_before is None or logging_after is None else logging_after - logging_before
+    return list(records), duration, counters, stat_logging_s
 
 
 def _warmup_request(vocab: Vocabulary, seed: int) -> BenchRequest:
@@ -166,6 +184,9 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Peak RSS (MiB)", "peak_rss_mib", ".0f"),
     ("Peak device memory (MiB)", "peak_device_memory_mib", ".0f"),
     ("Start-up to first token (s)", "startup_s", ".2f"),
+    ("CPU", "cpu_model", ""),
+    ("CPU vector ISA", "cpu_isa", ""),
+    *CONTENTION_ROWS,
 ]
 
 

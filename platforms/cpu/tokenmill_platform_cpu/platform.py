@@ -78,6 +78,8 @@ class CpuPlatform:
         keep_freed_memory(retain_bytes())
         kernels = load_kernels()
         if kernels is not None:  # without a compiler the torch reference ops run
+            # the kernels' regions keep this count while the contention fallback lowers torch's
+            kernels.set_pool_threads(threads)
             register_layer_ops("cpu", CpuLayerOps(kernels, packed_weights_budget()))
             register_sampling_kernels("cpu", CpuSamplingKernels(kernels))
 

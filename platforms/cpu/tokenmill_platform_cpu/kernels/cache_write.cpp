@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <cstring>
 
 namespace {
@@ -46,7 +48,7 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   auto* value_dst = static_cast<char*>(value_cache.data_ptr());
   // The rows land in scattered blocks, mostly not in cache: the copy waits on memory,
   // so even a decode batch's few dozen rows are worth splitting over the threads.
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(key_dst + slot[t] * row_bytes, key_src + t * key_stride, row_bytes);
       std::memcpy(value_dst + slot[t] * row_bytes, value_src + t * value_stride, row_bytes);

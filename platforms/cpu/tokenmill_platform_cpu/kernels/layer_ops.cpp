@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -64,7 +66,7 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at:
     const T* in_ptr = rows.data_ptr<T>();
     const T* w_ptr = w.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
-    at::parallel_for(0, rows.size(0), grain(d), [&](int64_t begin, int64_t end) {
+    tokenmill::parallel_for(0, rows.size(0), grain(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) norm_row(in_ptr + r * d, w_ptr, out_ptr + r * d, d, static_cast<float>(eps));
     });
   });
@@ -89,7 +91,7 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
     T* x_ptr = x.data_ptr<T>();
     T* res_ptr = residual.data_ptr<T>();
     const T* w_ptr = w.data_ptr<T>();
-    at::parallel_for(0, n, grain(d), [&](int64_t begin, int64_t end) {
+    tokenmill::parallel_for(0, n, grain(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         T* res = res_ptr + r * d;
         T* row = x_ptr + r * d;
@@ -114,7 +116,7 @@ void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
     using T = decltype(element);
     const T* in_ptr = in.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
-    at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
+    tokenmill::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
       std::vector<float> wide;  // bfloat16: the row widened, so that the exp loop vectorises
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = in_ptr + r * width;
@@ -195,7 +197,7 @@ void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Ten
     using T = decltype(element);
     T* q_ptr = q.data_ptr<T>();
     T* k_ptr = k.data_ptr<T>();
-    at::parallel_for(0, q.size(0), grain((q_heads + k_heads) * d), [&](int64_t begin, int64_t end) {
+    tokenmill::parallel_for(0, q.size(0), grain((q_heads + k_heads) * d), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = cos_ptr + pos_ptr[t] * d;
         const float* sin = sin_ptr + pos_ptr[t] * d;

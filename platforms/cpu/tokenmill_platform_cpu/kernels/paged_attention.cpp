@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -212,7 +214,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const int64_t want = 4 * at::get_num_threads();
   const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (want + tokens - 1) / tokens));
   const int64_t per_split = (kv_heads + splits - 1) / splits;
-  at::parallel_for(0, tokens * splits, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, tokens * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q32, out32;  // float32 copies of a bfloat16 task's query and output
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / splits, part = task % splits;

@@ -21,6 +21,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -114,7 +116,7 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
   auto out = at::empty({panels, k, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       // written in order, read from the panel's 32 rows side by side (their lines stay in L1)
       const int64_t columns = std::min(kPanel, n - p * kPanel);
@@ -162,7 +164,7 @@ void packed_linear_out(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   const float* p_ptr = ps.data_ptr<float>();
   const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const Panel panel{p_ptr + p * k * kPanel, p + 1 < end ? p_ptr + (p + 1) * k * kPanel : nullptr, k,
                         std::min(kPanel, n - p * kPanel), b_ptr != nullptr ? b_ptr + p * kPanel : nullptr};

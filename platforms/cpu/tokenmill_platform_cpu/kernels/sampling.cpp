@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -134,7 +136,7 @@ at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Ten
   const float* t_ptr = t.data_ptr<float>();
   const float* u_ptr = u.data_ptr<float>();
   int64_t* out_ptr = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> chunk_sums;
     for (int64_t r = begin; r < end; ++r) out_ptr[r] = sample_row(x_ptr + r * v, v, t_ptr[r], u_ptr[r], chunk_sums);
   });

@@ -23,6 +23,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -116,7 +118,7 @@ void run(const T* x, const T* weight, const T* bias, T* out, int64_t n, int64_t 
   constexpr int rows = kRowsPerPass<T>;
   constexpr int64_t ahead = kPrefetchRows<T>;
   const int64_t grain = std::max<int64_t>(rows, 65536 / sizeof(T) / std::max<int64_t>(1, k));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
     for (; j + rows <= end; j += rows) {
       if (ahead > 0 && j + ahead + rows <= end)

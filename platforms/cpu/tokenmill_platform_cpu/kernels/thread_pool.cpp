@@ -1,0 +1,310 @@
+// The claiming thread pool behind tokenmill::parallel_for (see thread_pool.h for why).
+//
+// One 64-bit word holds the current job's generation (32 bits), its chunk count (16) and the
+// next unclaimed chunk (16); a thread claims a chunk by a compare-and-swap on it, so a claim is
+// valid only for the job it read, and the job's description (written before the word) stays
+// unchanged until every valid claim of it has finished.
+#include "thread_pool.h"
+
+#include <pybind11/pybind11.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define TOKENMILL_PAUSE() _mm_pause()
+#else
+#define TOKENMILL_PAUSE() std::this_thread::yield()
+#endif
+
+namespace tokenmill {
+namespace {
+
+constexpr uint64_t kIndexMask = 0xffff;
+constexpr int64_t kMaxChunks = 0xffff;
+
+uint32_t generation_of(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+int64_t count_of(uint64_t word) { return static_cast<int64_t>((word >> 16) & kIndexMask); }
+int64_t next_of(uint64_t word) { return static_cast<int64_t>(word & kIndexMask); }
+
+thread_local bool running_chunk = false;
+
+std::chrono::nanoseconds spin_time() {
+  const char* configured = std::getenv("TOKENMILL_CPU_SPIN_US");
+  const long micros = configured != nullptr ? std::strtol(configured, nullptr, 10) : 200;
+  return std::chrono::microseconds(std::max(0L, micros));
+}
+
+std::atomic<int> pool_mode{-1};  // -1 unread, 0 openmp, 1 claim
+std::atomic<int> configured_threads{0};  // 0: torch's count, read on first use
+
+bool fallback_enabled() {
+  const char* configured = std::getenv("TOKENMILL_CPU_CONTENTION_FALLBACK");
+  return configured == nullptr || std::strcmp(configured, "0") != 0;
+}
+
+// Whether the workers get their share of the chunks: a running average of the caller's share
+// over the regions cut finely enough to tell (a few chunks per thread). Quiet, the caller runs
+// about 1/threads of them; when the other cores are busy with other processes, the workers
+// are seldom running and the caller runs nearly all. Two thresholds, so that it does not flap.
+class ContentionGauge {
+ public:
+  // +1 when contention begins, -1 when it ends, else 0.
+  int observe(double caller_share, int threads) {
+    const double fair = 1.0 / threads;
+    if (average_ < 0) average_ = fair;
+    average_ += (caller_share - average_) / kRegions;
+    if (!contended_ && average_ > fair + 0.6 * (1 - fair)) {
+      contended_ = true;
+      return +1;
+    }
+    if (contended_ && average_ < fair + 0.15 * (1 - fair)) {
+      contended_ = false;
+      return -1;
+    }
+    return 0;
+  }
+  bool contended() const { return contended_; }
+  double average() const { return average_; }
+
+ private:
+  static constexpr double kRegions = 64;  // regions the average spans, about
+  double average_ = -1;
+  bool contended_ = false;
+};
+
+class ClaimPool {
+ public:
+  ClaimPool() : owner_(getpid()), spin_(spin_time()) {}
+  ClaimPool(const ClaimPool&) = delete;
+  ClaimPool& operator=(const ClaimPool&) = delete;
+
+  pid_t owner() const { return owner_; }
+  int workers() const { return static_cast<int>(workers_.size()); }
+
+  void run(const Job& job, int threads) {
+    std::lock_guard<std::mutex> one_caller(caller_);  // two engines' threads stepping at once take turns
+    if (gauge_.contended() && ++since_probe_ < kProbeEvery) {
+      // the other cores are busy with other processes: one thread does it all, as torch does
+      // meanwhile, but every kProbeEvery-th region still goes to the workers, to see when they
+      // are back
+      job.call(job.fn, job.begin, job.end);
+      return;
+    }
+    since_probe_ = 0;
+    grow(threads - 1);
+    job_ = job;
+    error_ = nullptr;
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t generation = ++generation_;
+    word_.store(static_cast<uint64_t>(generation) << 32 | static_cast<uint64_t>(job.count) << 16,
+                std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_);
+      wake_.notify_all();
+    }
+    const int64_t mine = work(generation);
+    wait_for_claimed_chunks(job.count);
+    if (job.count >= 2 * threads) observe(static_cast<double>(mine) / job.count, threads);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // One region's caller share into the gauge; torch's threads follow its verdict. Called on the
+  // thread that steps the engine, whose OpenMP thread count torch's ops use.
+  void observe(double caller_share, int threads) {
+    if (!fallback_) return;
+    const int change = gauge_.observe(caller_share, threads);
+    if (change > 0) {
+      torch_threads_ = at::get_num_threads();
+      at::set_num_threads(1);
+      ++engagements_;
+    } else if (change < 0 && torch_threads_ > 0) {
+      at::set_num_threads(torch_threads_);
+    }
+  }
+
+  pybind11::dict stats() const {
+    pybind11::dict out;
+    out["workers"] = workers();
+    out["contended"] = gauge_.contended();
+    out["caller_share"] = gauge_.average();
+    out["engagements"] = engagements_;
+    out["fallback"] = fallback_;
+    out["threads"] = pool_threads();
+    return out;
+  }
+
+ private:
+  void grow(int wanted) {
+    while (static_cast<int>(workers_.size()) < wanted) {
+      workers_.emplace_back([this] { worker_loop(); });
+      workers_.back().detach();  // lives as long as the process; never joined at exit
+    }
+  }
+
+  // Claims and runs chunks of `generation` until none is left (or a newer job replaced it);
+  // returns how many this thread ran.
+  int64_t work(uint32_t generation) {
+    int64_t ran = 0;
+    uint64_t word = word_.load(std::memory_order_acquire);
+    while (generation_of(word) == generation && next_of(word) < count_of(word)) {
+      if (!word_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        continue;  // `word` now holds the current value
+      }
+      run_chunk(next_of(word));
+      ++ran;
+      word = word_.load(std::memory_order_acquire);
+    }
+    return ran;
+  }
+
+  void run_chunk(int64_t index) {
+    const int64_t begin = job_.begin + index * job_.chunk;
+    const int64_t end = std::min(job_.end, begin + job_.chunk);
+    running_chunk = true;
+    try {
+      job_.call(job_.fn, begin, end);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_lock_);
+      if (!error_) error_ = std::current_exception();
+    }
+    running_chunk = false;
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+
+  void wait_for_claimed_chunks(int64_t count) {
+    for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
+      // a claimed chunk's thread may share this core: after a short spin, let it run
+      if (spins < 4096) {
+        TOKENMILL_PAUSE();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  void worker_loop() {
+    uint32_t seen = generation_of(word_.load(std::memory_order_acquire));
+    for (;;) {
+      const uint32_t generation = wait_for_job(seen);
+      work(generation);
+      seen = generation;
+    }
+  }
+
+  // The generation of a job newer than `seen`: spun for briefly, then slept for.
+  uint32_t wait_for_job(uint32_t seen) {
+    const auto until = std::chrono::steady_clock::now() + spin_;
+    for (int spins = 0;; ++spins) {
+      const uint32_t generation = generation_of(word_.load(std::memory_order_acquire));
+      if (generation != seen) return generation;
+      TOKENMILL_PAUSE();
+      if ((spins & 63) == 63 && std::chrono::steady_clock::now() >= until) break;
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    std::unique_lock<std::mutex> lock(sleep_);
+    wake_.wait(lock, [&] { return generation_of(word_.load(std::memory_order_seq_cst)) != seen; });
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return generation_of(word_.load(std::memory_order_acquire));
+  }
+
+  const pid_t owner_;
+  const std::chrono::nanoseconds spin_;
+  const bool fallback_ = fallback_enabled();
+  ContentionGauge gauge_;
+  int torch_threads_ = 0;  // torch's threads before the fallback set them to one
+  int64_t engagements_ = 0;
+  static constexpr int kProbeEvery = 16;  // while contended: regions per region run on the pool
+  int since_probe_ = 0;
+  std::vector<std::thread> workers_;
+  std::mutex caller_;
+  Job job_{};
+  uint32_t generation_ = 0;
+  std::atomic<uint64_t> word_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex sleep_;
+  std::condition_variable wake_;
+  std::mutex error_lock_;
+  std::exception_ptr error_;
+};
+
+std::mutex pool_lock;
+ClaimPool* pool = nullptr;  // never freed: its detached workers outlive static destruction
+
+// This process's pool; a forked child gets a new one (its parent's workers did not fork with it).
+ClaimPool& current_pool() {
+  std::lock_guard<std::mutex> lock(pool_lock);
+  if (pool == nullptr || pool->owner() != getpid()) pool = new ClaimPool();
+  return *pool;
+}
+
+}  // namespace
+
+bool claim_pool_enabled() {
+  int mode = pool_mode.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* configured = std::getenv("TOKENMILL_CPU_THREAD_POOL");
+    mode = configured != nullptr && std::strcmp(configured, "openmp") == 0 ? 0 : 1;
+    pool_mode.store(mode, std::memory_order_relaxed);
+  }
+  return mode == 1;
+}
+
+bool in_pool_job() { return running_chunk; }
+
+int pool_threads() {
+  int threads = configured_threads.load(std::memory_order_relaxed);
+  if (threads <= 0) {
+    threads = at::get_num_threads();
+    configured_threads.store(threads, std::memory_order_relaxed);
+  }
+  return threads;
+}
+
+void run_job(const Job& job, int threads) {
+  if (job.count > kMaxChunks) {  // not reached: chunks are capped at a few per thread
+    job.call(job.fn, job.begin, job.end);
+    return;
+  }
+  current_pool().run(job, threads);
+}
+
+}  // namespace tokenmill
+
+void bind_thread_pool(pybind11::module& m) {
+  m.def(
+      "set_thread_pool",
+      [](const std::string& mode) {
+        TORCH_CHECK(mode == "claim" || mode == "openmp", "set_thread_pool: 'claim' or 'openmp', not '", mode, "'");
+        tokenmill::pool_mode.store(mode == "claim" ? 1 : 0);
+      },
+      "The kernels' parallel loop: 'claim' (tokenmill's pool) or 'openmp' (at::parallel_for)");
+  m.def("thread_pool", [] { return std::string(tokenmill::claim_pool_enabled() ? "claim" : "openmp"); },
+        "Which parallel loop the kernels use");
+  m.def(
+      "set_pool_threads", [](int64_t threads) { tokenmill::configured_threads.store(static_cast<int>(threads)); },
+      "The threads the kernels' regions run on, the calling one included (the platform's count)");
+  m.def("pool_threads", &tokenmill::pool_threads, "The threads the kernels' regions run on");
+  m.def(
+      "thread_pool_stats", [] { return tokenmill::current_pool().stats(); },
+      "The claim pool: workers started, whether the contention fallback holds torch at one thread, the "
+      "caller's running share of the chunks, how often the fallback engaged");
+  m.def(
+      "thread_pool_observe", [](double caller_share) {
+        tokenmill::current_pool().observe(caller_share, tokenmill::pool_threads());
+      },
+      "Feed one region's caller share to the contention gauge, as each region does (for tests)");
+}
