@@ -31,6 +31,7 @@ from tokenmill.layers import (
     ModelBuildContext,
     ParallelLMHead,
     RMSNorm,
+    UnquantizedLinearMethod,
     VocabEmbedding,
     get_rotary_embedding,
     layer_ops,
@@ -38,7 +39,6 @@ from tokenmill.layers import (
     load_weight,
     make_layers,
     on_stage,
-    UnquantizedLinearMethod,
 )
 from tokenmill.plugin_api import AttentionMetadata
 
