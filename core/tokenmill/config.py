@@ -30,6 +30,7 @@ def cli(panel: str, *, metavar: str | None = None) -> dict[str, Any]:
 
 
 _MODEL, _KV, _SCHED, _RUN, _PLUGINS = "Model", "KV cache", "Scheduler", "Execution", "Plugins"
+_LORA = "LoRA"
 
 
 class EngineConfig(BaseModel):
@@ -101,6 +102,16 @@ class EngineConfig(BaseModel):
                                                             "TOKENMILL_NUM_THREADS, else the usable cores)",
                                     json_schema_extra=cli(_RUN))
 
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (a request names one; see docs/lora.md)",
+                              json_schema_extra=cli(_LORA))
+    max_loras: int = Field(4, ge=1, description="LoRA adapters one step can use: the device slots",
+                           json_schema_extra=cli(_LORA))
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank an adapter may have",
+                               json_schema_extra=cli(_LORA))
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept loaded in host memory (LRU; "
+                                                              "default: twice max_loras)",
+                                      json_schema_extra=cli(_LORA))
+
     strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
                                  json_schema_extra=cli(_PLUGINS))
     plugin_options: dict[str, Any] = Field(
@@ -118,6 +129,19 @@ class EngineConfig(BaseModel):
             if int(data.get("tensor_parallel_size") or 1) > 1:
                 data["distributed_executor_backend"] = "mp"
         return data
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        if self.enable_lora and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every "
+                             "adapter in a device slot is also kept in host memory")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA under tensor parallelism is not supported yet")
+        return self
+
+    @property
+    def lora_host_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 2 * self.max_loras
 
     @field_validator("plugin_options")
     @classmethod

@@ -13,7 +13,10 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.deadlines import Deadlines
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import InvalidStateTransition
+from tokenmill.errors import InvalidRequestError, InvalidStateTransition
+from tokenmill.lora.adapter import LoRAAdapter
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
@@ -69,15 +72,18 @@ class LLMEngine:
         return str(next(self._ids))
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                        priority: int = 0, pooling: str | None = None) -> PreparedRequest:
+                        priority: int = 0, pooling: str | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate; raises ``InvalidRequestError``. Touches no engine state,
-        so a front end may call it from any thread. ``pooling`` makes it an embedding request."""
+        so a front end may call it from any thread. ``pooling`` makes it an embedding request;
+        ``lora_request`` runs it with that adapter (registered with :meth:`add_lora` by the time
+        the request is queued)."""
         processed = self.input_processor.process_prompt(prompt)
         if pooling is not None:
             requests = [self.input_processor.make_pooling_request(request_id, processed, pooling)]
         else:
             requests = self.input_processor.make_requests(request_id, processed, params or SamplingParams(),
-                                                          priority)
+                                                          priority, lora_request.lora_name if lora_request else None)
         return PreparedRequest(request_id, processed, requests)
 
     def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None) -> None:
@@ -97,6 +103,29 @@ class LLMEngine:
                     timeout: float | None = None) -> None:
         """Validate and queue one request; raises ``InvalidRequestError`` and queues nothing if it is bad."""
         self.add_prepared(self.prepare_request(request_id, prompt, params, priority), timeout)
+
+    # -- LoRA adapters --------------------------------------------------------
+    @property
+    def lora(self) -> LoRAManager:
+        if self.core.lora is None:
+            raise InvalidRequestError("this engine was started without enable_lora", param="lora_request")
+        return self.core.lora
+
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Register an adapter, reading and checking it now unless ``adapter`` is the one already
+        loaded (raises ``LoRAAdapterError``); False if it is registered already."""
+        known = self.lora.adapters.get(request.lora_name)
+        if known is not None and known.lora_path == request.lora_path:
+            return False
+        self.lora.add(request, adapter if adapter is not None else self.lora.load_now(request))
+        return True
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter; requests that use it finish with it, new ones fail."""
+        self.lora.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.core.lora.adapters.values()) if self.core.lora is not None else []
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       error: str | None = None) -> RequestOutput | None:

@@ -4,7 +4,7 @@ requests, diffs for the ones already in the persistent batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,6 +25,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling: str | None = None
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model); fixed for its life
 
 
 @dataclass
@@ -70,6 +71,8 @@ class SchedulerOutput:
     # Preempted since the last step: workers drop them from the batch but keep
     # their state (token ids, seeded generator) for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # LoRA adapters (``LoRAAdapter``) to copy into device slots before this step runs, by slot.
+    lora_loads: dict[int, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

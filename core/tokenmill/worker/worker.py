@@ -9,15 +9,17 @@ methods are what an executor may call by name on every worker.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
+from tokenmill.lora.model_slots import LoRAModelSlots
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
@@ -88,6 +90,10 @@ class Worker:
         """The last forward's output (empty on a rank other than 0: only rank 0 samples)."""
         return self.runner.sample_tokens(grammar)
 
+    def lora_targets(self) -> Any:
+        """The layers LoRA adapters may target and their shapes (a ``LoRATargetTable``; None without LoRA)."""
+        return self.runner.lora.targets if self.runner.lora is not None else None
+
     def attention_backend_name(self) -> str:
         return str(self.runner.backend.name)
 
@@ -125,6 +131,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         preferred=config.attention_backend,
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
+    lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None
     return ModelRunner(
         model=model,
         backend=backend,
@@ -139,12 +146,15 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         max_graph_batch_size=config.max_graph_batch_size,
         samples=samples,
         mirrors_logits=comm.world_size > 1,
+        lora=lora,
     )
 
 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator) -> StepGraphCapture | None:
     """The platform, if decode steps may run through its step graphs. Not under tensor
-    parallelism: a step graph records kernel calls, and a gloo collective is not one."""
-    if config.enforce_eager or comm.world_size > 1 or not getattr(backend, "supports_step_graphs", False):
+    parallelism: a step graph records kernel calls, and a gloo collective is not one. Not with
+    LoRA: its per-token slot mask changes with the batch's adapters."""
+    if config.enforce_eager or config.enable_lora or comm.world_size > 1 or not getattr(
+            backend, "supports_step_graphs", False):
         return None
     return platform_step_graph_capture(platform)
