@@ -61,3 +61,16 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
                         for step, t in zip(out.logits, tokens, strict=True)]
             results.append((tokens, logprobs))
     return results
+
+
+def build_adapter_for_other_base(folder: Path, **lora_args: Any) -> Path:
+    """An adapter trained on another (narrower) Llama: its shapes fit no layer of the tiny one."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import COMMON
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    other = LlamaForCausalLM(LlamaConfig(**{**COMMON, "hidden_size": 32, "intermediate_size": 48}))
+    get_peft_model(other, LoraConfig(task_type="CAUSAL_LM", **lora_args)).save_pretrained(folder)
+    return folder

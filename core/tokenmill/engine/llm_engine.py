@@ -91,6 +91,9 @@ class LLMEngine:
         (default: ``config.request_timeout``) have passed since now."""
         if self.output_processor.has_request(prepared.request_id):
             raise ValueError(f"request id {prepared.request_id!r} is already running")
+        lora_name = prepared.requests[0].lora_name if prepared.requests else None
+        if lora_name is not None:
+            self.lora.get(lora_name)  # an adapter unloaded since: fail before anything is queued
         self.output_processor.add_request(prepared.request_id, prepared.prompt.text, prepared.prompt.token_ids,
                                           [(r.request_id, r.sampling_params) for r in prepared.requests])
         for request in prepared.requests:
