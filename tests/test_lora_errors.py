@@ -83,3 +83,23 @@ def test_lora_needs_enable_lora(llama_path, good):
     plain = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         plain.generate(PROMPT, PARAMS, lora_request=good)
+
+
+def test_lora_metrics(llama_path, good):
+    """Adapters resident in slots and host memory, requests per resident adapter, load times."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+
+    registry = CollectorRegistry()
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", enable_lora=True,
+              max_loras=2, max_lora_rank=8, stat_loggers=[PrometheusStatLogger("m", registry)])
+    llm.generate([PROMPT] * 3, PARAMS, lora_request=[good, good, None])
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(f"tokenmill:{name}", {"model_name": "m", **labels})
+
+    assert value("lora_adapters_in_slots") == 1 and value("lora_adapters_in_host") == 1
+    assert value("lora_requests", lora_name="good") == 0  # resident, its requests finished
+    assert value("lora_load_seconds_count") == 1
+    assert value("num_requests_waiting_for_lora") == 0

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import Any
 
 from tokenmill.lora.adapter import LoRAAdapter, LoRAAdapterLoader
 from tokenmill.lora.errors import LoRAAdapterError, LoRAAdapterNotFoundError
@@ -116,6 +117,17 @@ class LoRAManager:
     @property
     def num_cached(self) -> int:
         return len(self._host)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``SchedulerSnapshot`` fields about adapters."""
+        slots = self.slots
+        return {
+            "lora_adapters_in_slots": slots.num_resident,
+            "lora_adapters_in_host": len(self._host),
+            "lora_requests": tuple((name, users) for name, users in zip(slots.names, slots.users, strict=True)
+                                   if name is not None and not name.startswith("\0")),
+            "lora_load_seconds": tuple(self.load_seconds),
+        }
 
     def wait_for_any(self, timeout: float) -> None:
         """Block until some load finishes (or ``timeout``): an engine with nothing else to run."""

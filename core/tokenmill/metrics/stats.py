@@ -29,6 +29,13 @@ class SchedulerSnapshot:
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0  # tokens found, since start
+    # LoRA: requests waiting for their adapter, adapters in device slots / host memory, each
+    # resident adapter's requests (name, count; at most max_loras of them), every load's seconds
+    num_waiting_for_lora: int = 0
+    lora_adapters_in_slots: int = 0
+    lora_adapters_in_host: int = 0
+    lora_requests: tuple[tuple[str, int], ...] = ()
+    lora_load_seconds: tuple[float, ...] = ()  # since start
 
 
 @dataclass

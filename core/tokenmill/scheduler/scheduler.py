@@ -378,6 +378,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerSnapshot:
         """The queues and the KV cache now: what the engine core returns with a step's outputs."""
         prefix = self.kv.prefix_cache_stats
+        lora = self.lora.snapshot() if self.lora is not None else {}
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -388,6 +389,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            num_waiting_for_lora=len(self.waiting_for_lora),
+            **lora,
         )
 
 
