@@ -123,6 +123,9 @@ def throughput(
     disable_log_stats: Annotated[bool, typer.Option(
         "--disable-log-stats", help="Run the engine without the server's stat loggers (Prometheus, the log "
                                     "line), to measure what metrics cost")] = False,
+    lora: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter folder (repeatable): the requests are spread over them round robin (needs "
+             "--enable-lora; --max-loras slots)")] = None,
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
     from tokenmill_cli.bench.structured import constraint_of, print_comparison
@@ -141,7 +144,7 @@ def throughput(
     opts = ThroughputOptions(backend=backend, hf_batch_size=hf_batch_size, peak_gflops=peak_gflops,
                              percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
                              structured_output=structured_output, compare_structured_rounds=compare_structured,
-                             disable_log_stats=disable_log_stats)
+                             disable_log_stats=disable_log_stats, lora_paths=tuple(lora or ()))
     model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
     (print_comparison if compare_structured else print_throughput)(result)

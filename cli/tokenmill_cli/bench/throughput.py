@@ -46,6 +46,7 @@ class ThroughputOptions:
     structured_output: str = "none"  # a constraint kind of bench.structured, applied to every request
     compare_structured_rounds: int = 0  # > 0: run plain and constrained this many times each, report both
     disable_log_stats: bool = False  # no Prometheus logger and log line on the engine (the server has both)
+    lora_paths: tuple[str, ...] = ()  # LoRA adapters the requests are spread over, round robin
 
 
 def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: DatasetOptions,
@@ -64,6 +65,8 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
                 "backend": backend_name, "model": model, "dataset_name": dataset.name, "num_prompts": len(requests),
                 "engine_args": engine_kwargs}
     requests = constrain(requests, opts.structured_output)
+    if opts.lora_paths:
+        requests = [replace(r, lora_path=opts.lora_paths[i % len(opts.lora_paths)]) for i, r in enumerate(requests)]
     compile_grammar(backend, requests, opts.temperature)
     startup_s = startup_seconds(_first_token(warmup), process_start)
 
