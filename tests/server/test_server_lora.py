@@ -133,3 +133,15 @@ def test_runtime_routes_need_the_key(lora_server):
 def test_runtime_routes_need_their_flag(http):
     """The default server (no --allow-runtime-lora) has no such routes."""
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 404
+
+
+def test_runtime_routes_are_in_the_strict_schema(lora_http):
+    """Both routes documented: a JSON body, a 200 model, OpenAI-shaped errors, no FastAPI 422."""
+    schema = lora_http.get("/openapi.json").json()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        operation = schema["paths"][path]["post"]
+        assert "application/json" in operation["requestBody"]["content"]
+        assert {"200", "400", "404"} <= set(operation["responses"]) and "422" not in operation["responses"]
+    load = schema["components"]["schemas"]["LoadLoRAAdapterRequest"]
+    assert set(load["required"]) == {"lora_name", "lora_path"} and load["additionalProperties"] is False
+    assert "parent" in schema["components"]["schemas"]["ModelCard"]["properties"]

@@ -5,8 +5,8 @@ Each wrapped layer holds the A and B matrices of ``num_slots`` adapters, zero-pa
 as dense ops): shrink ``x @ A_all.T`` gives every token its projection onto every slot's
 rank space, a per-token one-hot mask over the slots keeps only the token's own adapter (and
 zeroes base-model tokens), and expand ``@ B_all.T`` adds ``x A_s^T B_s^T`` (scaling folded
-into B). A merged layer (q/k/v, gate/up) keeps one A block and one B per output slice, so
-each checkpoint module's matrices land in its slice. Different ranks share a batch: a
+into B). A merged layer (q/k/v, gate/up) keeps one A block per output slice and a B that is
+block-diagonal over the slices, so each checkpoint module's matrices land in its slice. Different ranks share a batch: a
 smaller rank's padding rows are zero. The cost is ``num_slots * max_rank`` extra columns per
 layer, no gather of per-token weights and no Python loop over adapters; a batch with no
 adapter skips it altogether.
@@ -32,29 +32,34 @@ class LoRABatch:
 
 
 class LoRAWeights(nn.Module):
-    """The slot-stacked A/B of one linear layer (buffers: not model parameters)."""
+    """The slot-stacked A/B of one linear layer (buffers: not model parameters).
 
-    lora_a: torch.Tensor
+    Column ``(slot * n + slice) * max_rank + j`` of the shrunk activations is rank row ``j`` of a
+    slot's adapter on output slice ``slice``; B maps it to that slice's output rows only (B is
+    block-diagonal over the slices), so shrink, mask and expand are three ops for any layer.
+    """
+
+    lora_a: torch.Tensor  # [num_slots * n * max_rank, in]
+    lora_b: torch.Tensor  # [out, num_slots * n * max_rank]
 
     def __init__(self, layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
         super().__init__()
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
         self.slices = [layer.shard_slice(i) for i in range(len(layer.output_partition_sizes))]
         device, dtype = layer_device_dtype(layer)
-        n = len(self.slices)
-        # row (slot * n + slice) * max_rank + j: the j-th rank row of a slot's slice
-        self.register_buffer("lora_a", torch.zeros(num_slots * n * max_rank, layer.in_features, device=device,
-                                                   dtype=dtype), persistent=False)
-        self.lora_b = [torch.zeros(size, num_slots * max_rank, device=device, dtype=dtype) for _, size in self.slices]
-        for i, b in enumerate(self.lora_b):
-            self.register_buffer(f"lora_b_{i}", b, persistent=False)
+        columns = num_slots * len(self.slices) * max_rank
+        self.register_buffer("lora_a", torch.zeros(columns, layer.in_features, device=device, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(layer.out_features, columns, device=device, dtype=dtype),
+                             persistent=False)
 
     def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None:
         """Put one adapter's matrices (one per output slice, None where it has none) into ``slot``."""
         n, r_max = len(self.slices), self.max_rank
-        for i, weights in enumerate(slices):
-            rows = self.lora_a[(slot * n + i) * r_max : (slot * n + i + 1) * r_max]
-            cols = self.lora_b[i][:, slot * r_max : (slot + 1) * r_max]
+        for i, (weights, (offset, size)) in enumerate(zip(slices, self.slices, strict=True)):
+            first = (slot * n + i) * r_max
+            rows = self.lora_a[first : first + r_max]
+            cols = self.lora_b[offset : offset + size, first : first + r_max]
             rows.zero_()
             cols.zero_()
             if weights is not None:
@@ -63,14 +68,10 @@ class LoRAWeights(nn.Module):
                 cols[:, :r].copy_(weights.lora_b)
 
     def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``out`` plus every token's adapter contribution (in place where it can)."""
-        tokens, n, r_max = x.shape[0], len(self.slices), self.max_rank
-        shrunk = (x @ self.lora_a.T).view(tokens, self.num_slots, n, r_max) * mask[:, :, None, None]
-        if n == 1:
-            return out.addmm_(shrunk.view(tokens, -1), self.lora_b[0].T)
-        for i, (offset, size) in enumerate(self.slices):
-            out[:, offset : offset + size].addmm_(shrunk[:, :, i].reshape(tokens, -1), self.lora_b[i].T)
-        return out
+        """``out`` plus every token's adapter contribution, in place."""
+        tokens = x.shape[0]
+        shrunk = (x @ self.lora_a.T).view(tokens, self.num_slots, -1) * mask[:, :, None]
+        return out.addmm_(shrunk.view(tokens, -1), self.lora_b.T)
 
 
 def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
