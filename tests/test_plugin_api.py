@@ -1,5 +1,5 @@
 """The plugin boundary: every shipped plugin imports tokenmill only through its public surface
-(``tokenmill``, ``tokenmill.plugin_api``, ``tokenmill.layers``, each by its ``__all__``) and never
+(``tokenmill``, ``tokenmill.plugin_api``, ``tokenmill.layers``, ``tokenmill.lora``, each by its ``__all__``) and never
 another plugin's package. The imports are read from the source (ast), so a lazy import inside a
 function counts as much as one at the top."""
 
@@ -14,11 +14,13 @@ import pytest
 
 import tokenmill
 import tokenmill.layers
+import tokenmill.lora
 import tokenmill.plugin_api
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_FOLDERS = ("platforms", "attention", "models", "quantization", "plugins", "speculative", "tests/plugins")
-PUBLIC = {module.__name__: frozenset(module.__all__) for module in (tokenmill, tokenmill.plugin_api, tokenmill.layers)}
+PUBLIC = {module.__name__: frozenset(module.__all__) for module in (tokenmill, tokenmill.plugin_api, tokenmill.layers,
+                                                                   tokenmill.lora)}
 
 
 def _plugin_packages() -> list[Path]:
@@ -108,3 +110,9 @@ def test_lazy_names_are_the_internal_objects():
     assert tokenmill.plugin_api.StepGraphUnsupported is importlib.import_module(
         "tokenmill.worker.step_graphs").StepGraphUnsupported
     assert tokenmill.plugin_api.EngineConfig is tokenmill.EngineConfig
+
+
+def test_lora_request_is_one_class_under_both_names():
+    """``from tokenmill import LoRARequest`` and ``from tokenmill.lora import LoRARequest`` (vLLM's spelling)."""
+    assert tokenmill.LoRARequest is tokenmill.lora.LoRARequest
+    assert "LoRARequest" in tokenmill.__all__ and "LoRARequest" in tokenmill.lora.__all__

@@ -4,6 +4,7 @@ Its engine options (``engine``) are generated from ``EngineConfig`` (:mod:`token
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +26,7 @@ from tokenmill_cli.server_options import (
 )
 
 _SERVER = "Server"
+_LORA = "LoRA"
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,17 @@ def serve(
     max_stored_responses: MaxStoredResponses = 1000,
     api_docs_need_key: ApiDocsNeedKey = False,
     enable_tokenizer_info_endpoint: EnableTokenizerInfoEndpoint = False,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="LoRA adapters to serve (with --enable-lora), each name=path or a JSON object "
+             '{"name": ..., "path": ..., "base_model_name": ...}; a request names one in `model`',
+        rich_help_panel=_LORA)] = None,
+    allow_runtime_lora: Annotated[bool, typer.Option(
+        "--allow-runtime-lora", envvar="TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING", show_envvar=True,
+        help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)",
+        rich_help_panel=_LORA)] = False,
 ) -> None:
     from tokenmill import AsyncLLM, TokenmillError
+    from tokenmill_cli.server.lora import parse_lora_module
     from tokenmill_cli.server.settings import load_chat_template
 
     _configure_logging(log_level)
@@ -71,8 +82,13 @@ def serve(
         template = load_chat_template(chat_template)
         _check_tool_options(tool_call_parser, enable_auto_tool_choice)
         _check_reasoning_parser(reasoning_parser)
+        adapters = [parse_lora_module(text) for text in lora_modules or []]
+        if adapters and not engine.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         llm = AsyncLLM(max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
                        **engine.model_dump(exclude_unset=True))
+        for adapter in adapters:
+            asyncio.run(llm.add_lora(adapter))
     except (TokenmillError, ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -82,7 +98,8 @@ def serve(
     # tool calling rides along with the other settings
     operations.update(tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                       reasoning_parser=reasoning_parser)
-    operations.update(api_docs_need_key=api_docs_need_key, enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
+    operations.update(api_docs_need_key=api_docs_need_key, enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+                      allow_runtime_lora=allow_runtime_lora)
     _run(llm, engine.model, host, port, api_key, served_model_name, template, log_level, operations)
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.entrypoints.async_llm import AsyncLLM
     from tokenmill.entrypoints.llm import LLM
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.structured_output.params import StructuredOutputsParams
 
@@ -36,6 +37,7 @@ _LAZY = {
     "EngineConfig": "tokenmill.config",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
+    "LoRARequest": "tokenmill.lora.request",
     "StructuredOutputsParams": "tokenmill.structured_output.params",
 }
 
@@ -56,6 +58,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidStateTransition",
     "LLM",
+    "LoRARequest",
     "ModelNotFoundError",
     "PluginError",
     "QueueFullError",

@@ -32,6 +32,7 @@ def cli(panel: str, *, metavar: str | None = None) -> dict[str, Any]:
 
 
 _MODEL, _KV, _SCHED, _RUN, _PLUGINS = "Model", "KV cache", "Scheduler", "Execution", "Plugins"
+_LORA = "LoRA"
 
 
 class EngineConfig(BaseModel):
@@ -116,6 +117,15 @@ class EngineConfig(BaseModel):
         None, description="Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} "
                           "or {\"model\": DRAFT, \"num_speculative_tokens\": 3}; the method is a proposer by its "
                           "registered name (see `tokenmill plugins`; default: none)", json_schema_extra=cli(_RUN))
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (a request names one; see docs/lora.md)",
+                              json_schema_extra=cli(_LORA))
+    max_loras: int = Field(4, ge=1, description="LoRA adapters one step can use: the device slots",
+                           json_schema_extra=cli(_LORA))
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank an adapter may have",
+                               json_schema_extra=cli(_LORA))
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept loaded in host memory (LRU; "
+                                                              "default: twice max_loras)",
+                                      json_schema_extra=cli(_LORA))
 
     strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
                                  json_schema_extra=cli(_PLUGINS))
@@ -152,6 +162,17 @@ class EngineConfig(BaseModel):
     def world_size(self) -> int:
         """Worker ranks the model is split over: tensor-parallel ranks times pipeline stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+    def _check_lora(self) -> EngineConfig:
+        if self.enable_lora and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every "
+                             "adapter in a device slot is also kept in host memory")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA under tensor parallelism is not supported yet")
+        return self
+
+    @property
+    def lora_host_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 2 * self.max_loras
 
     @field_validator("plugin_options")
     @classmethod

@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_GRAMMAR = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_LORA = enum.auto()  # its adapter loads, or waits for a free device slot
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -50,11 +51,13 @@ _FINISH_REASONS = {
 }
 
 _FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
-_WAITING_KINDS = frozenset({RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS})
+_WAITING_KINDS = frozenset({RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS,
+                            RequestStatus.WAITING_FOR_LORA})
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, *_WAITING_KINDS}) | _FINISHED,
     RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING}) | _FINISHED,
     RequestStatus.WAITING_FOR_REMOTE_KVS: frozenset({RequestStatus.WAITING}) | _FINISHED,
+    RequestStatus.WAITING_FOR_LORA: frozenset({RequestStatus.WAITING}) | _FINISHED,
     RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED}) | _FINISHED,
     RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING}) | _FINISHED,
     **{s: frozenset() for s in _FINISHED},

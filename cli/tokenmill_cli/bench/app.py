@@ -139,6 +139,9 @@ def throughput(
                                     "line), to measure what metrics cost")] = False,
     background_load: BackgroundLoad = 0,
     background_kind: BackgroundKind = "matmul",
+    lora: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter folder (repeatable): the requests are spread over them round robin (needs "
+             "--enable-lora; --max-loras slots)")] = None,
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
     from tokenmill_cli.bench.structured import constraint_of, print_comparison
@@ -158,7 +161,7 @@ def throughput(
                              percentiles=_percentiles(metric_percentiles), disable_tqdm=disable_tqdm,
                              structured_output=structured_output, compare_structured_rounds=compare_structured,
                              disable_log_stats=disable_log_stats, background_load=background_load,
-                             background_kind=_background_kind(background_kind))
+                             background_kind=_background_kind(background_kind), lora_paths=tuple(lora or ()))
     model, kwargs = _model_and_kwargs(engine)
     result = _guarded(lambda: run_throughput(model, kwargs, dataset, opts))
     (print_comparison if compare_structured else print_throughput)(result)

@@ -35,6 +35,7 @@ class BenchRequest:
     output_len: int
     prompt: str | None = None  # the text, for datasets that start from text (jsonl)
     structured_outputs: dict[str, Any] | None = None  # a constraint (StructuredOutputsParams' JSON form)
+    lora_path: str | None = None  # the LoRA adapter it runs with (bench --lora)
 
     @property
     def prompt_len(self) -> int:

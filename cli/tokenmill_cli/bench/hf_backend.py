@@ -80,6 +80,8 @@ class HFBackend:
 
     def run(self, requests: Sequence[BenchRequest], temperature: float,
             on_finish: Callable[[], None] | None = None) -> list[RequestRecord]:
+        if any(r.lora_path for r in requests):
+            raise ValueError("the hf backend has no LoRA adapters; measure them with --backend tokenmill")
         if any(r.structured_outputs for r in requests):
             raise ValueError("the hf backend has no structured outputs; measure them with --backend tokenmill")
         start = time.perf_counter()

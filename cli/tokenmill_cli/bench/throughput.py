@@ -50,6 +50,7 @@ class ThroughputOptions:
     disable_log_stats: bool = False  # no Prometheus logger and log line on the engine (the server has both)
     background_load: int = 0  # > 0: run quiet, then beside this many busy processes (bench.background_load)
     background_kind: str = "matmul"
+    lora_paths: tuple[str, ...] = ()  # LoRA adapters the requests are spread over, round robin
 
 
 def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: DatasetOptions,
@@ -68,6 +69,8 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
                 "backend": backend_name, "model": model, "dataset_name": dataset.name, "num_prompts": len(requests),
                 "engine_args": engine_kwargs}
     requests = constrain(requests, opts.structured_output)
+    if opts.lora_paths:
+        requests = [replace(r, lora_path=opts.lora_paths[i % len(opts.lora_paths)]) for i, r in enumerate(requests)]
     compile_grammar(backend, requests, opts.temperature)
     startup_s = startup_seconds(_first_token(warmup), process_start)
 

@@ -50,7 +50,9 @@ class TokenmillBackend:
                                         max_tokens=request.output_len,
                                         # SamplingParams also takes the JSON (dict) form
                                         structured_outputs=cast(Any, request.structured_outputs))
-                engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+                prepared = engine.prepare_request(request_id, {"prompt_token_ids": request.prompt_token_ids},
+                                                  params, lora_request=self._lora(request.lora_path))
+                engine.add_prepared(prepared)
                 records[request_id] = RequestRecord(request.prompt_len, start)
         except Exception:
             for request_id in records:
@@ -69,6 +71,16 @@ class TokenmillBackend:
                     if on_finish is not None:
                         on_finish()
         return list(records.values())
+
+    def _lora(self, path: str | None) -> Any:
+        """The adapter at ``path``, registered once under its path as its name."""
+        if path is None:
+            return None
+        from tokenmill import LoRARequest
+
+        lora = LoRARequest(path, 0, path)
+        self.llm.engine.add_lora(lora)
+        return lora
 
     def counters(self) -> EngineCounters:
         stats = self.llm.engine.scheduler_stats

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 import tokenmill
-from tokenmill_cli.server import chat, completions, embeddings, health, metrics, models, responses_api, tokenization
+from tokenmill_cli.server import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    lora,
+    metrics,
+    models,
+    responses_api,
+    tokenization,
+)
 from tokenmill_cli.server.auth import APIKeyMiddleware
 from tokenmill_cli.server.errors import install_error_handlers
 from tokenmill_cli.server.lifecycle import Lifecycle
@@ -57,6 +67,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, shutdown_engine: bool 
     if settings.enable_metrics:
         app.include_router(metrics.router)
     install_error_handlers(app)
+    if settings.allow_runtime_lora:
+        app.include_router(lora.router)
     if settings.enable_tokenizer_info_endpoint:
         app.include_router(tokenization.info_router)
     install_openapi(app, app.state.server.vocab_size)

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
@@ -68,7 +69,7 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
 
 def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
                   params: SamplingParams, constraint: Constraint | None, request_id: str, priority: int = 0,
-                  timeout: float | None = None, param: str = "messages",
+                  timeout: float | None = None, param: str = "messages", lora_request: LoRARequest | None = None,
                   ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The engine's outputs for ``messages`` through the chat template, as one merged stream.
 
@@ -81,7 +82,7 @@ def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering
             f"the {param} take {len(prompt_ids)} tokens, which leaves no room to generate within the model's "
             f"context of {state.engine.max_model_len} tokens (max_model_len)", param=param)
     generation = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
-                                       priority=priority, timeout=timeout)
+                                       priority=priority, timeout=timeout, lora_request=lora_request)
     return merge_streams([naming_errors(generation, constraint)])
 
 
@@ -95,7 +96,8 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
                                                                                body.response_format)))
     params = chat_sampling_params(body, constraint.params if constraint else None)
     request_id = new_id("chatcmpl")
-    merged = generate_chat(state, body.messages, body, params, constraint, request_id, body.priority, body.timeout)
+    merged = generate_chat(state, body.messages, body, params, constraint, request_id, body.priority, body.timeout,
+                           lora_request=state.lora_request(body.model))
     view = _View(body, params, state.tokenizer, tools, reasoning)
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200

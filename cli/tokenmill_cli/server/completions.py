@@ -72,8 +72,9 @@ async def _serve(body: CompletionRequest, state: ServerState, request: Request) 
     params = completion_sampling_params(body)
     prompts = engine_prompts(body.prompt)
     request_id = new_id("cmpl")
+    lora = state.lora_request(body.model)
     merged = merge_streams([state.engine.generate(p, params, request_id=f"{request_id}-{i}", priority=body.priority,
-                                                  timeout=body.timeout)
+                                                  timeout=body.timeout, lora_request=lora)
                             for i, p in enumerate(prompts)])
     view = _View(body, params, state.tokenizer)
     if body.stream:

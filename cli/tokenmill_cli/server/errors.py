@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tokenmill.lora import LoRAAdapterNotFoundError
 from tokenmill.outputs import RequestOutput
 from tokenmill_cli.server.responses import ErrorInfo, ErrorResponse
 
@@ -65,6 +66,7 @@ def model_not_found(name: str) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(InvalidRequestError, _invalid_request)
+    app.add_exception_handler(LoRAAdapterNotFoundError, _lora_not_found)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(EngineDeadError, _engine_dead)
@@ -81,6 +83,11 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidRequestError)
     return error_response(400, str(exc), exc.param)
+
+
+async def _lora_not_found(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, LoRAAdapterNotFoundError)
+    return error_response(404, str(exc), exc.param, code="model_not_found")
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

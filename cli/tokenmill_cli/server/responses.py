@@ -200,6 +200,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tokenmill"
     root: str
     max_model_len: int
+    parent: str | None = Field(default=None, description="a LoRA adapter's base model")
 
 
 class ModelList(BaseModel):

@@ -26,6 +26,8 @@ class ServerSettings(BaseModel):
     enable_auto_tool_choice: bool = Field(False, description='let tool_choice "auto" parse free replies for calls')
     reasoning_parser: str | None = Field(None, description="the registered reasoning parser that splits a reply's "
                                                            "reasoning section into reasoning_content")
+    allow_runtime_lora: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
+                                                        "/v1/unload_lora_adapter")
     # operations: see docs/operations.md
     enable_metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
     log_stats: bool = Field(True, description="log a one-line engine summary every log_stats_interval seconds")

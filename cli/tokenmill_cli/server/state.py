@@ -13,6 +13,7 @@ from tokenmill_cli.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.async_llm import AsyncLLM
+    from tokenmill.lora import LoRARequest
     from tokenmill_cli.server.lifecycle import Lifecycle
     from tokenmill_cli.server.metrics import ServerMetrics
 
@@ -36,12 +37,19 @@ class ServerState:
         return min(self.engine.model_info.vocab_size, len(self.engine.tokenizer))
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; a name this server does not serve is a 404."""
+        """The name to answer with; a name this server does not serve (nor a LoRA adapter's) is a 404."""
         if requested is None:
             return self.settings.default_model_name
-        if requested not in self.settings.served_model_names:
+        if requested not in self.settings.served_model_names and self.lora_request(requested) is None:
             raise model_not_found(requested)
         return requested
+
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, if it names one."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        return next((lora for lora in self.engine.list_loras() if lora.lora_name == model), None)
 
 
 def get_state(request: Request) -> ServerState:

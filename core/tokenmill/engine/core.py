@@ -15,6 +15,8 @@ from tokenmill.executor import Executor, create_executor
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.lora.adapter import LoRAAdapterLoader
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import default_model, load_checkpoint, resolve_model_class
@@ -71,6 +73,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager.from_plugins(
             self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, self._model_info.vocab_size,
             self._model_info.stop_token_ids)
+        self.lora = self._lora_manager()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -79,9 +82,17 @@ class EngineCore:
             policy=config.scheduling_policy,
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-        ), self.kv_manager, self.structured_output)
+        ), self.kv_manager, self.structured_output, self.lora)
         self._building_thread = threading.get_ident()
         self._warned_thread = False
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """Where LoRA is enabled: adapters are checked against the layers rank 0's model wraps."""
+        if not self.config.enable_lora:
+            return None
+        targets = self.executor.collective_rpc("lora_targets")[0]
+        loader = LoRAAdapterLoader(targets, self.config.max_lora_rank, self.dtype)
+        return LoRAManager(loader, self.config.max_loras, self.config.lora_host_cache_size)
 
     def _init_kv_cache(self) -> int:
         per_block = self.executor.kv_bytes_per_block()
@@ -145,6 +156,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.structured_output.num_pending:
             self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
+        if scheduler_output.is_empty and self.lora is not None and self.lora.num_loading:
+            self.lora.wait_for_any(_GRAMMAR_WAIT_S)
         forward = self.executor.execute_model(scheduler_output, non_block=True)
         # Built while the forward runs, where the executor runs it elsewhere (in place: after it).
         grammar = self.scheduler.grammar_bitmask(scheduler_output)
@@ -166,6 +179,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        if self.lora is not None:
+            self.lora.shutdown()
         self.executor.shutdown()
 
 

@@ -15,6 +15,9 @@ from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, Pr
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError, InvalidStateTransition
+from tokenmill.lora.adapter import LoRAAdapter
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
@@ -73,17 +76,19 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                         priority: int = 0, pooling: str | None = None,
-                        truncate_prompt_tokens: int | None = None) -> PreparedRequest:
+                        truncate_prompt_tokens: int | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate; raises ``InvalidRequestError``. Touches no engine state,
         so a front end may call it from any thread. ``pooling`` makes it an embedding request
-        (``"auto"``: the model's own pooling)."""
+        (``"auto"``: the model's own pooling); ``lora_request`` runs it with that adapter
+        (registered with :meth:`add_lora` by the time the request is queued)."""
         pooling = check_runner(self.model_info, pooling)
         processed = self.input_processor.process_prompt(prompt, pooling is not None, truncate_prompt_tokens)
         if pooling is not None:
             requests = [self.input_processor.make_pooling_request(request_id, processed, pooling)]
         else:
             requests = self.input_processor.make_requests(request_id, processed, params or SamplingParams(),
-                                                          priority)
+                                                          priority, lora_request.lora_name if lora_request else None)
         return PreparedRequest(request_id, processed, requests)
 
     def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None) -> None:
@@ -91,6 +96,9 @@ class LLMEngine:
         (default: ``config.request_timeout``) have passed since now."""
         if self.output_processor.has_request(prepared.request_id):
             raise ValueError(f"request id {prepared.request_id!r} is already running")
+        lora_name = prepared.requests[0].lora_name if prepared.requests else None
+        if lora_name is not None:
+            self.lora.get(lora_name)  # an adapter unloaded since: fail before anything is queued
         self.output_processor.add_request(prepared.request_id, prepared.prompt.text, prepared.prompt.token_ids,
                                           [(r.request_id, r.sampling_params) for r in prepared.requests])
         for request in prepared.requests:
@@ -103,6 +111,29 @@ class LLMEngine:
                     timeout: float | None = None) -> None:
         """Validate and queue one request; raises ``InvalidRequestError`` and queues nothing if it is bad."""
         self.add_prepared(self.prepare_request(request_id, prompt, params, priority), timeout)
+
+    # -- LoRA adapters --------------------------------------------------------
+    @property
+    def lora(self) -> LoRAManager:
+        if self.core.lora is None:
+            raise InvalidRequestError("this engine was started without enable_lora", param="lora_request")
+        return self.core.lora
+
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Register an adapter, reading and checking it now unless ``adapter`` is the one already
+        loaded (raises ``LoRAAdapterError``); False if it is registered already."""
+        known = self.lora.adapters.get(request.lora_name)
+        if known is not None and known.lora_path == request.lora_path:
+            return False
+        self.lora.add(request, adapter if adapter is not None else self.lora.load_now(request))
+        return True
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter; requests that use it finish with it, new ones fail."""
+        self.lora.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.core.lora.adapters.values()) if self.core.lora is not None else []
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       error: str | None = None) -> RequestOutput | None:

@@ -32,6 +32,7 @@ from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
 from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
@@ -100,6 +101,8 @@ class AsyncLLM:
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "add": self._add, "abort": self._abort, "abort_all": self._abort_all,
             "stat_logger": lambda stat_logger: self.engine.stat_loggers.append(stat_logger),
+            "add_lora": lambda payload: self.engine.add_lora(*payload),
+            "remove_lora": lambda name: self.engine.remove_lora(name),
         }
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(built, list(stat_loggers or [])),
@@ -173,26 +176,51 @@ class AsyncLLM:
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, priority: int = 0,
-                 timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                 timeout: float | None = None, lora_request: LoRARequest | None = None,
+                 ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes.
 
         Leaving the loop early (a client that disconnects) aborts the request
         and frees its KV blocks. After ``timeout`` seconds (default: the
         config's ``request_timeout``) the request ends with finish_reason
-        ``timeout``, keeping what it generated.
+        ``timeout``, keeping what it generated. ``lora_request``: run it with that adapter
+        (loaded first, off the engine thread, if it is not yet registered).
         """
         if timeout is not None and not timeout > 0:
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout}", param="timeout")
-        return self._stream(prompt, sampling_params or SamplingParams(), request_id, priority, None, timeout)
+        return self._stream(prompt, sampling_params or SamplingParams(), request_id, priority, None, timeout,
+                            lora_request=lora_request)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter on a thread of its own (the engine keeps stepping meanwhile),
+        then register it; raises ``LoRAAdapterError``. False if it was registered already."""
+        self._check_alive()
+        known = self.engine.lora.adapters.get(lora_request.lora_name)
+        if known is not None and known.lora_path == lora_request.lora_path:
+            return False
+        adapter = await asyncio.to_thread(self.engine.lora.load_now, lora_request)
+        return bool(await self._call("add_lora", (lora_request, adapter)))
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter: requests that use it finish with it; later ones naming it fail."""
+        self._check_alive()
+        await self._call("remove_lora", lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     async def _stream(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                       priority: int, pooling: str | None, timeout: float | None = None,
-                      truncate_prompt_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+                      truncate_prompt_tokens: int | None = None,
+                      lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         self._check_alive()
+        if lora_request is not None:
+            await self.add_lora(lora_request)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:  # its outputs would go to the other stream
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling, truncate_prompt_tokens)
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling, truncate_prompt_tokens,
+                                               lora_request)
         self.admission.admit(request_id, len(prepared.prompt.token_ids) * len(prepared.requests))
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

@@ -17,6 +17,7 @@ from tokenmill.entrypoints.scoring import (
     pair_prompt,
     score_pairs,
 )
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
@@ -48,19 +49,27 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt; each is
+        read and checked before any prompt runs (``LoRAAdapterError`` names a bad one).
 
         All prompts are validated before any runs, so a bad one raises
         ``InvalidRequestError`` without leaving the others half-done.
         """
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = _per_prompt(sampling_params, len(prompt_list))
+        loras = _per_prompt_lora(lora_request, len(prompt_list))
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            self.engine.add_lora(lora)
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 request_id = self.engine.next_request_id()
-                self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                prepared = self.engine.prepare_request(request_id, prompt, params, priority[i] if priority else 0,
+                                                       lora_request=loras[i])
+                self.engine.add_prepared(prepared)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:
@@ -120,7 +129,8 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate; ``tools``
         (OpenAI function tools) go to the template, which shows them to the model."""
         conversations = cast(list[Sequence[Message]],
@@ -130,7 +140,7 @@ class LLM:
                                                       continue_final_message, tools)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _chat_token_ids(self, conversation: Sequence[Message], chat_template: str | None,
                         add_generation_prompt: bool, continue_final_message: bool,
@@ -168,6 +178,15 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _per_prompt_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                     count: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} LoRA requests for {count} prompts")
+    return list(lora)
 
 
 def _progress(total: int) -> Any:

@@ -57,13 +57,23 @@ class PrometheusStatLogger:
         self.gen_len = histogram("request_generation_tokens", "Generated length of finished requests",
                                  _TOKEN_BUCKETS)
         self.step_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKEN_BUCKETS)
+        self.waiting_for_lora = gauge("num_requests_waiting_for_lora", "Requests waiting for their LoRA adapter "
+                                      "(loading, or every slot busy)", "livesum")
+        self.lora_in_slots = gauge("lora_adapters_in_slots", "LoRA adapters in device slots", "livesum")
+        self.lora_in_host = gauge("lora_adapters_in_host", "LoRA adapters in the host-memory cache", "livesum")
+        # labelled by adapter only for those in a slot: at most max_loras series at a time
+        self.lora_requests = Gauge("tokenmill:lora_requests", "Requests holding each resident LoRA adapter",
+                                   [*labels, "lora_name"], registry=registry, multiprocess_mode="livesum")
+        self.lora_load = histogram("lora_load_seconds", "Time to read and check a LoRA adapter", _LATENCY_BUCKETS)
+        self._lora_names: set[str] = set()
         self._child: dict[Any, Any] = {}  # metric -> its child for this model
         for reason in FINISH_REASONS:  # every series present from the start, at zero
             self.finished.labels(self.model, reason)
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                        self.preemptions, self.prompt_tokens, self.generation_tokens, self.aborted,
                        self.draft_tokens, self.accepted_tokens, self.ttft, self.itl, self.e2e, self.queue,
-                       self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens):
+                       self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens,
+                       self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load):
             self._child[metric] = metric.labels(self.model)
         self._last = SchedulerSnapshot()
 
@@ -81,6 +91,8 @@ class PrometheusStatLogger:
                       scheduler.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
         self._advance(self.accepted_tokens,
                       scheduler.spec_decode_num_accepted_tokens - self._last.spec_decode_num_accepted_tokens)
+        if scheduler.lora_adapters_in_host or self._lora_names:
+            self._record_lora(scheduler)
         self._last = scheduler
         self._advance(self.prompt_tokens, iteration.num_prompt_tokens)
         self._advance(self.generation_tokens, iteration.num_generation_tokens)
@@ -100,6 +112,20 @@ class PrometheusStatLogger:
             child[self.decode].observe(done.decode_time)
             child[self.prompt_len].observe(done.num_prompt_tokens)
             child[self.gen_len].observe(done.num_generation_tokens)
+
+    def _record_lora(self, scheduler: SchedulerSnapshot) -> None:
+        child = self._child
+        child[self.waiting_for_lora].set(scheduler.num_waiting_for_lora)
+        child[self.lora_in_slots].set(scheduler.lora_adapters_in_slots)
+        child[self.lora_in_host].set(scheduler.lora_adapters_in_host)
+        for seconds in scheduler.lora_load_seconds[len(self._last.lora_load_seconds):]:
+            child[self.lora_load].observe(seconds)
+        resident = dict(scheduler.lora_requests)
+        for gone in self._lora_names - set(resident):
+            self.lora_requests.remove(self.model, gone)
+        for name, count in resident.items():
+            self.lora_requests.labels(self.model, name).set(count)
+        self._lora_names = set(resident)
 
     def _advance(self, counter: Counter, amount: int) -> None:
         if amount > 0:

@@ -40,6 +40,13 @@ class SchedulerSnapshot:
         if not self.spec_decode_num_drafts:
             return 0.0
         return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+    # LoRA: requests waiting for their adapter, adapters in device slots / host memory, each
+    # resident adapter's requests (name, count; at most max_loras of them), every load's seconds
+    num_waiting_for_lora: int = 0
+    lora_adapters_in_slots: int = 0
+    lora_adapters_in_host: int = 0
+    lora_requests: tuple[tuple[str, int], ...] = ()
+    lora_load_seconds: tuple[float, ...] = ()  # since start
 
 
 @dataclass

@@ -4,7 +4,7 @@ requests, diffs for the ones already in the persistent batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,6 +25,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling: str | None = None
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model); fixed for its life
 
 
 @dataclass
@@ -73,6 +74,8 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request's step verifies. They are the last
     # ``len(drafts)`` of its ``num_scheduled_tokens``, placed after its last sampled token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # LoRA adapters (``LoRAAdapter``) to copy into device slots before this step runs, by slot.
+    lora_loads: dict[int, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

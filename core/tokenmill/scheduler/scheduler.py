@@ -12,6 +12,10 @@ the waiting queue, while its grammar compiles in a thread, so it blocks no
 one; each step the constrained requests that sample get a token bitmask
 (``grammar_bitmask``, built while the step's forward runs), and their
 matchers advance with the tokens sampled.
+
+A request with a LoRA adapter waits likewise in ``WAITING_FOR_LORA`` while its adapter
+loads on a thread or every device slot holds another adapter that requests use; it joins
+the waiting queue with a slot reserved, which it keeps until it finishes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
 from tokenmill.scheduler.spec_tokens import SpecDecodeCounters, num_rejected, usable_drafts
 
 if TYPE_CHECKING:
+    from tokenmill.lora.manager import LoRAManager
     from tokenmill.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -67,10 +72,13 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None, lora: LoRAManager | None = None) -> None:
         self.config = config
         self.kv = kv_manager
         self.structured_output = structured_output
+        self.lora = lora
+        self.waiting_for_lora: dict[str, Request] = {}
+        self._lora_slots: dict[str, int] = {}  # request -> its reserved adapter slot
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = QUEUES[config.policy]()
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -96,6 +104,14 @@ class Scheduler:
             self.requests[request.request_id] = request
             self.waiting_for_grammar[request.request_id] = request
             return
+        if request.lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError("this engine was started without enable_lora", param="lora_request")
+            self.lora.get(request.lora_name)  # raises for an unknown adapter
+            request.transition(RequestStatus.WAITING_FOR_LORA)
+            self.requests[request.request_id] = request
+            self.waiting_for_lora[request.request_id] = request
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -110,8 +126,11 @@ class Scheduler:
             if request is None:
                 raise InvalidStateTransition(f"request {req_id} is not running or waiting")
             waiting_for_grammar = request.status == RequestStatus.WAITING_FOR_GRAMMAR
+            waiting_for_lora = request.status == RequestStatus.WAITING_FOR_LORA
             request.transition(status)
-            if waiting_for_grammar:
+            if waiting_for_lora:
+                del self.waiting_for_lora[req_id]
+            elif waiting_for_grammar:
                 del self.waiting_for_grammar[req_id]
                 assert self.structured_output is not None
                 self.structured_output.discard(req_id)
@@ -128,6 +147,9 @@ class Scheduler:
         del self.requests[request.request_id]
         self._constrained.pop(request.request_id, None)
         request.grammar = None
+        slot = self._lora_slots.pop(request.request_id, None)
+        if slot is not None and self.lora is not None:
+            self.lora.slots.release(slot)
         self._finished_ids.add(request.request_id)
 
     @property
@@ -138,6 +160,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
+        if self.waiting_for_lora:
+            self._admit_ready_adapters()
         plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {})
         self._schedule_running(plan)
         if not self._preempted_ids:
@@ -150,6 +174,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             scheduled_spec_decode_tokens=plan.drafts,
+            lora_loads=self.lora.slots.take_loads() if self.lora is not None else {},
         )
         self._finished_ids, self._preempted_ids = set(), set()
         return output
@@ -168,6 +193,29 @@ class Scheduler:
                 continue
             request.transition(RequestStatus.WAITING)
             self._constrained[request.request_id] = request
+            self.waiting.add(request)
+
+    def _admit_ready_adapters(self) -> None:
+        """Move requests whose adapter is loaded and has a device slot to the waiting queue, in
+        arrival order (a load that failed ends the request); the others keep waiting."""
+        lora = self.lora
+        assert lora is not None
+        for request in list(self.waiting_for_lora.values()):
+            name = request.lora_name
+            assert name is not None
+            adapter = lora.ready(name)
+            if adapter is None:
+                continue
+            if isinstance(adapter, Exception):
+                del self.waiting_for_lora[request.request_id]
+                self._fail(request, str(adapter))
+                continue
+            slot = lora.slots.acquire(adapter)
+            if slot is None:
+                continue
+            del self.waiting_for_lora[request.request_id]
+            self._lora_slots[request.request_id] = slot
+            request.transition(RequestStatus.WAITING)
             self.waiting.add(request)
 
     def _fail(self, request: Request, error: str) -> None:
@@ -261,6 +309,7 @@ class Scheduler:
             plan.new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                 num_computed, request.eos_token_id, request.pooling,
+                lora_slot=self._lora_slots.get(request.request_id, -1),
             ))
         plan.tokens[request.request_id] = num_new
         plan.budget -= num_new
@@ -350,6 +399,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerSnapshot:
         """The queues and the KV cache now: what the engine core returns with a step's outputs."""
         prefix = self.kv.prefix_cache_stats
+        lora = self.lora.snapshot() if self.lora is not None else {}
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -364,6 +414,8 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
+            num_waiting_for_lora=len(self.waiting_for_lora),
+            **lora,
         )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.attention import AttentionBackend, KVCache
 from tokenmill.layers.attention import Attention
+from tokenmill.lora.model_slots import LoRAModelSlots
 from tokenmill.platform import DeviceKVAllocator, KVCacheAllocator
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -45,15 +46,17 @@ class ModelRunner:
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
                  kv_allocator: KVCacheAllocator | None = None, samples: bool = True,
-                 mirrors_logits: bool = False) -> None:
+                 mirrors_logits: bool = False, lora: LoRAModelSlots | None = None) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
         ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
         ``samples``: false on the ranks other than 0, which run the forward and return nothing;
         they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``).
         ``mirrors_logits``: such a rank still computes the logits rank 0 computes (and drops
-        them), since a tensor-parallel lm_head gathers from every rank."""
+        them), since a tensor-parallel lm_head gathers from every rank.
+        ``lora``: the model's LoRA slots, where LoRA is enabled."""
         self.model = model
+        self.lora = lora
         self.backend = backend
         self.device = device
         self.dtype = dtype
@@ -120,6 +123,9 @@ class ModelRunner:
             return
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
+        if self.lora is not None:
+            self.lora.load(scheduler_output.lora_loads)
+            self.lora.set_step([self.batch.states[row].lora_slot for row in inputs.rows], inputs.num_scheduled)
         hidden, token_logits = self._forward(inputs)
         self._forward_result = _Forward(inputs, hidden, token_logits)
 
@@ -171,6 +177,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
                 pooling=new.pooling,
+                lora_slot=new.lora_slot,
             )
             self.requests[new.req_id] = state
             self.batch.add(state)

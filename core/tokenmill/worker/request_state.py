@@ -19,6 +19,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling: str | None = None  # "last" / "mean" / "cls" for embedding requests
+    lora_slot: int = -1  # its LoRA adapter's device slot (-1: the base model)
     pooled_sum: torch.Tensor | None = None  # running sum of hidden states, for mean pooling; the first's, for cls
     output_token_ids: list[int] = field(default_factory=list)
     # prompt logprobs gathered so far, for a prompt computed in several chunks

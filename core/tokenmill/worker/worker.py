@@ -12,12 +12,14 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
+from tokenmill.lora.model_slots import LoRAModelSlots
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
@@ -93,6 +95,10 @@ class Worker:
         """The last forward's output (empty on a rank other than 0: only rank 0 samples)."""
         return self.runner.sample_tokens(grammar)
 
+    def lora_targets(self) -> Any:
+        """The layers LoRA adapters may target and their shapes (a ``LoRATargetTable``; None without LoRA)."""
+        return self.runner.lora.targets if self.runner.lora is not None else None
+
     def attention_backend_name(self) -> str:
         return str(self.runner.backend.name)
 
@@ -119,6 +125,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
+    lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None
     runner = ModelRunner(
         model=model,
         backend=backend,
@@ -133,6 +140,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         max_graph_batch_size=config.max_graph_batch_size,
         samples=samples,
         mirrors_logits=comm.world_size > 1 and stage.is_last,  # only the last stage has an lm_head
+        lora=lora,
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
@@ -152,8 +160,9 @@ def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator,
                    stage: PipelineStage = SINGLE_STAGE) -> StepGraphCapture | None:
     """The platform, if decode steps may run through its step graphs. Not under tensor or
-    pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one."""
-    if (config.enforce_eager or comm.world_size > 1 or stage.size > 1
+    pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one. Not
+    with LoRA: its per-token slot mask changes with the batch's adapters."""
+    if (config.enforce_eager or config.enable_lora or comm.world_size > 1 or stage.size > 1
             or not getattr(backend, "supports_step_graphs", False)):
         return None
     return platform_step_graph_capture(platform)

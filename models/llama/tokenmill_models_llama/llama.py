@@ -187,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
     supports_pipeline_parallel: ClassVar[bool] = True  # builds by stage (tokenmill.layers.pipeline)
+    # merged layer -> the checkpoint modules of its output slices (for LoRA adapters, which name the latter)
+    packed_modules: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                      "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()

@@ -1,0 +1,99 @@
+"""Batched LoRA on a base linear layer: every slot's adapter in one pass over a mixed batch.
+
+Each wrapped layer holds the A and B matrices of ``num_slots`` adapters, zero-padded to
+``max_rank``, stacked so that one matmul covers them all (in the manner of punica's BGMV,
+as dense ops): shrink ``x @ A_all.T`` gives every token its projection onto every slot's
+rank space, a per-token one-hot mask over the slots keeps only the token's own adapter (and
+zeroes base-model tokens), and expand ``@ B_all.T`` adds ``x A_s^T B_s^T`` (scaling folded
+into B). A merged layer (q/k/v, gate/up) keeps one A block per output slice and a B that is
+block-diagonal over the slices, so each checkpoint module's matrices land in its slice. Different ranks share a batch: a
+smaller rank's padding rows are zero. The cost is ``num_slots * max_rank`` extra columns per
+layer, no gather of per-token weights and no Python loop over adapters; a batch with no
+adapter skips it altogether.
+
+The layer's forward gets a hook; the model's own code is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import Linear
+from tokenmill.lora.adapter import LoRAModuleWeights
+
+
+class LoRABatch:
+    """The current step's per-token slot mask ``[T, num_slots]`` (None: no token has an
+    adapter), shared by every wrapped layer; the model runner sets it before each forward."""
+
+    def __init__(self) -> None:
+        self.token_mask: torch.Tensor | None = None
+
+
+class LoRAWeights(nn.Module):
+    """The slot-stacked A/B of one linear layer (buffers: not model parameters).
+
+    Column ``(slot * n + slice) * max_rank + j`` of the shrunk activations is rank row ``j`` of a
+    slot's adapter on output slice ``slice``; B maps it to that slice's output rows only (B is
+    block-diagonal over the slices), so shrink, mask and expand are three ops for any layer.
+    """
+
+    lora_a: torch.Tensor  # [num_slots * n * max_rank, in]
+    lora_b: torch.Tensor  # [out, num_slots * n * max_rank]
+
+    def __init__(self, layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
+        super().__init__()
+        self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
+        self.slices = [layer.shard_slice(i) for i in range(len(layer.output_partition_sizes))]
+        device, dtype = layer_device_dtype(layer)
+        columns = num_slots * len(self.slices) * max_rank
+        self.register_buffer("lora_a", torch.zeros(columns, layer.in_features, device=device, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(layer.out_features, columns, device=device, dtype=dtype),
+                             persistent=False)
+
+    def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None:
+        """Put one adapter's matrices (one per output slice, None where it has none) into ``slot``."""
+        n, r_max = len(self.slices), self.max_rank
+        for i, (weights, (offset, size)) in enumerate(zip(slices, self.slices, strict=True)):
+            first = (slot * n + i) * r_max
+            rows = self.lora_a[first : first + r_max]
+            cols = self.lora_b[offset : offset + size, first : first + r_max]
+            rows.zero_()
+            cols.zero_()
+            if weights is not None:
+                r = weights.lora_a.shape[0]
+                rows[:r].copy_(weights.lora_a)
+                cols[:, :r].copy_(weights.lora_b)
+
+    def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``out`` plus every token's adapter contribution, in place."""
+        tokens = x.shape[0]
+        shrunk = (x @ self.lora_a.T).view(tokens, self.num_slots, -1) * mask[:, :, None]
+        return out.addmm_(shrunk.view(tokens, -1), self.lora_b.T)
+
+
+def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
+    """Where the layer computes, and in what (a quantized layer's weight may be int8: its params dtype)."""
+    tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return device, layer.params_dtype
+
+
+def _lora_hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    weights: LoRAWeights = module.lora  # type: ignore[assignment]
+    mask = weights.batch.token_mask
+    if mask is None:
+        return output
+    return weights.delta_into(args[0], output, mask)
+
+
+def wrap_linear(layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> LoRAWeights:
+    """Give ``layer`` slot-stacked LoRA weights and a forward hook that adds their contribution."""
+    if layer.parallel != "none":
+        raise NotImplementedError(f"{layer.prefix}: LoRA on a tensor-parallel layer is not supported yet")
+    weights = LoRAWeights(layer, num_slots, max_rank, batch)
+    layer.add_module("lora", weights)
+    layer.register_forward_hook(_lora_hook)
+    return weights

@@ -1,0 +1,51 @@
+"""The worker's side of LoRA: the model's wrapped layers and what each adapter slot holds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.lora.adapter import LoRAAdapter
+from tokenmill.lora.layers import LoRABatch, LoRAWeights, wrap_linear
+from tokenmill.lora.targets import LoRATargetTable, lora_target_layers, lora_target_table
+
+
+class LoRAModelSlots:
+    """Wraps every LoRA-capable layer of ``model`` with ``num_slots`` adapter slots of rank up
+    to ``max_rank``. The scheduler decides which adapter goes into which slot
+    (``SchedulerOutput.lora_loads``) and each request's slot; this copies adapters in and sets
+    each step's per-token slot mask."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
+        self.num_slots = num_slots
+        self.batch = LoRABatch()
+        self.targets: LoRATargetTable = lora_target_table(model)
+        self.layers: list[tuple[LoRAWeights, list[str]]] = [
+            (wrap_linear(layer, num_slots, max_rank, self.batch), names)
+            for layer, names in lora_target_layers(model).values()]
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no layers LoRA can target")
+        self.dtype = self.layers[0][0].lora_a.dtype
+        self.device = self.layers[0][0].lora_a.device
+
+    def load(self, loads: Mapping[int, LoRAAdapter]) -> None:
+        """Copy each adapter into its slot (a slot is only reassigned once no request uses it)."""
+        for slot, adapter in loads.items():
+            for weights, names in self.layers:
+                weights.set_slot(slot, [adapter.modules.get(name) for name in names])
+
+    def set_step(self, row_slots: Sequence[int], tokens_per_row: Sequence[int] | np.ndarray) -> None:
+        """Each scheduled row's slot (-1: the base model) and its token count, in step order."""
+        if all(slot < 0 for slot in row_slots):
+            self.batch.token_mask = None  # a base-only batch pays nothing
+            return
+        slots = torch.repeat_interleave(torch.tensor(list(row_slots)), torch.as_tensor(tokens_per_row))
+        mask = torch.zeros(len(slots), self.num_slots + 1, dtype=self.dtype)
+        mask[torch.arange(len(slots)), slots + 1] = 1  # column 0 catches the base rows
+        self.batch.token_mask = mask[:, 1:].to(self.device)
+
+    def clear_step(self) -> None:
+        self.batch.token_mask = None

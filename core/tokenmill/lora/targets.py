@@ -1,0 +1,56 @@
+"""Which linear layers of a base model an adapter may target, and their shapes.
+
+A PEFT adapter names the checkpoint's modules (``model.layers.0.self_attn.q_proj``); the
+model may compute several of them in one merged layer (q/k/v in ``qkv_proj``, gate/up in
+``gate_up_proj``, named by the model class's ``packed_modules``). The table maps each
+checkpoint module to its layer's prefix and output slice, so an adapter's A/B go into the
+merged layer's slices. It is plain data, so the engine process validates adapters against it
+without holding the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tokenmill.layers.linear import Linear
+
+# The projections of a decoder layer LoRA applies to (vLLM's and PEFT's usual targets).
+SUPPORTED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """One checkpoint module: the layer that computes it, its slice, and the shapes A/B must have."""
+
+    layer: str  # the Linear's prefix, e.g. model.layers.0.self_attn.qkv_proj
+    slice_index: int
+    in_features: int
+    out_features: int
+
+
+LoRATargetTable = dict[str, LoRATarget]  # checkpoint module name -> target
+
+
+def lora_target_layers(model: nn.Module) -> dict[str, tuple[Linear, list[str]]]:
+    """The model's layers LoRA can wrap: prefix -> (layer, the checkpoint modules of its slices)."""
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules", {}))
+    layers = {}
+    for module in model.modules():
+        if not isinstance(module, Linear) or not module.prefix:
+            continue
+        parent, _, leaf = module.prefix.rpartition(".")
+        names = packed.get(leaf, [leaf])
+        if len(names) != len(module.output_partition_sizes) or not set(names) <= SUPPORTED_MODULES:
+            continue
+        layers[module.prefix] = (module, [f"{parent}.{name}" if parent else name for name in names])
+    return layers
+
+
+def lora_target_table(model: nn.Module) -> LoRATargetTable:
+    table = {}
+    for prefix, (layer, names) in lora_target_layers(model).items():
+        for index, name in enumerate(names):
+            table[name] = LoRATarget(prefix, index, layer.in_features, layer.output_partition_sizes[index])
+    return table

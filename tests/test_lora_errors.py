@@ -1,0 +1,105 @@
+"""Bad adapters fail with a typed error naming the adapter and the problem, and the engine
+keeps serving; requests naming an adapter that is not loaded fail likewise."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from lora_models import build_adapter, build_adapter_for_other_base
+
+from tokenmill import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from tokenmill.lora import LoRAAdapterError, LoRAAdapterNotFoundError
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+
+
+@pytest.fixture(scope="module")
+def good(llama_path, tmp_path_factory) -> LoRARequest:
+    folder = build_adapter(llama_path, tmp_path_factory.mktemp("good"), r=4, lora_alpha=8,
+                           target_modules=["q_proj", "down_proj"])
+    return LoRARequest("good", 1, str(folder))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path) -> LLM:
+    return LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", enable_lora=True,
+               max_loras=2, max_lora_rank=8)
+
+
+def _bad_adapters(llama_path, good, tmp_path) -> dict[str, tuple[str, str]]:
+    """name -> (lora_path, words the error must contain)."""
+    corrupt = shutil.copytree(good.lora_path, tmp_path / "corrupt")
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])  # truncated mid-header
+    return {
+        "missing": (str(tmp_path / "no-such-adapter"), "no adapter folder"),
+        "too-wide": (str(build_adapter(llama_path, tmp_path / "r16", r=16, target_modules=["q_proj"])),
+                     "above max_lora_rank=8"),
+        "lm-head": (str(build_adapter(llama_path, tmp_path / "head", r=4, target_modules=["q_proj", "lm_head"])),
+                    "the base model does not have"),
+        "other-base": (str(build_adapter_for_other_base(tmp_path / "other", r=4, target_modules=["q_proj"])),
+                       "trained for another base model"),
+        "corrupt": (str(corrupt), "not a readable safetensors file"),
+    }
+
+
+def test_bad_adapters_raise_a_typed_error_naming_them(llm, llama_path, good, tmp_path):
+    for name, (path, problem) in _bad_adapters(llama_path, good, tmp_path).items():
+        with pytest.raises(LoRAAdapterError) as caught:
+            llm.generate(PROMPT, PARAMS, lora_request=LoRARequest(name, 9, path))
+        assert caught.value.lora_name == name and f"LoRA adapter {name!r}" in str(caught.value)
+        assert problem in caught.value.problem, caught.value.problem
+        assert isinstance(caught.value, InvalidRequestError)  # the server's 400
+    # the engine goes on serving, the good adapter and the base model alike
+    with_adapter, base = llm.generate([PROMPT, PROMPT], PARAMS, lora_request=[good, None])
+    assert len(with_adapter.outputs[0].token_ids) == len(base.outputs[0].token_ids) == 4
+    assert with_adapter.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+def test_an_unknown_or_unloaded_adapter_is_not_found(llm, good):
+    llm.generate(PROMPT, PARAMS, lora_request=good)
+    llm.engine.remove_lora("good")
+    prepared = llm.engine.prepare_request("x", PROMPT, PARAMS, lora_request=good)
+    with pytest.raises(LoRAAdapterNotFoundError, match="'good'"):
+        llm.engine.add_prepared(prepared)
+    with pytest.raises(LoRAAdapterNotFoundError):
+        llm.engine.remove_lora("good")
+    assert llm.generate(PROMPT, PARAMS, lora_request=good)[0].outputs[0].token_ids  # registered again
+
+
+def test_an_adapter_never_shares_kv_with_another_or_the_base(llm, good):
+    """The adapter is part of the prefix-cache key: a prompt cached for the base is no hit for it."""
+    prompt = {"prompt_token_ids": list(range(10, 50))}
+    llm.generate(prompt, PARAMS)
+    first = llm.generate(prompt, PARAMS, lora_request=good)[0]
+    again = llm.generate(prompt, PARAMS, lora_request=good)[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0
+
+
+def test_lora_needs_enable_lora(llama_path, good):
+    plain = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        plain.generate(PROMPT, PARAMS, lora_request=good)
+
+
+def test_lora_metrics(llama_path, good):
+    """Adapters resident in slots and host memory, requests per resident adapter, load times."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+
+    registry = CollectorRegistry()
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", enable_lora=True,
+              max_loras=2, max_lora_rank=8, stat_loggers=[PrometheusStatLogger("m", registry)])
+    llm.generate([PROMPT] * 3, PARAMS, lora_request=[good, good, None])
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(f"tokenmill:{name}", {"model_name": "m", **labels})
+
+    assert value("lora_adapters_in_slots") == 1 and value("lora_adapters_in_host") == 1
+    assert value("lora_requests", lora_name="good") == 0  # resident, its requests finished
+    assert value("lora_load_seconds_count") == 1
+    assert value("num_requests_waiting_for_lora") == 0
