@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.layers import VocabEmbedding
+
 
 @dataclass(frozen=True)
 class Agreement:
@@ -85,7 +87,8 @@ def weight_storage(llm: object) -> tuple[dict[str, torch.dtype], int]:
     def look(worker: object) -> tuple[dict[str, torch.dtype], int]:
         model = worker.runner.model  # type: ignore[attr-defined]
         dtypes = {module.prefix: module.weight.dtype for module in model.modules()
-                  if hasattr(module, "quant_method") and isinstance(getattr(module, "weight", None), torch.Tensor)}
+                  if hasattr(module, "quant_method") and not isinstance(module, VocabEmbedding)  # (its own method)
+                  and isinstance(getattr(module, "weight", None), torch.Tensor)}
         return dtypes, sum(p.numel() * p.element_size() for p in model.parameters())
 
     return llm.engine.core.executor.collective_rpc(look)[0]  # type: ignore[attr-defined]

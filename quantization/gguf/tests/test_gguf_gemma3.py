@@ -14,6 +14,7 @@ from test_gguf_loader import BOS_ID, EOS_ID, TINY_VOCAB, tiny_vocabulary
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from tokenmill_quant_gguf.loader import load_gguf_checkpoint
+from tokenmill_quant_gguf.weights import dequantized_weights
 
 # HF leaf -> llama.cpp leaf, written out independently of the loader's tables.
 GEMMA3_LEAVES = {
@@ -112,7 +113,7 @@ def test_tiny_gemma3_round_trip(tmp_path: Path) -> None:
     assert config.layer_types[5] == "full_attention" and config.layer_types[4] == "sliding_attention"
 
     original = model.state_dict()
-    loaded = dict(checkpoint.weights())
+    loaded = dict(dequantized_weights(checkpoint.weights()))
     assert set(loaded) == set(original) - {"lm_head.weight"}
     for name, tensor in loaded.items():
         # (1 + w) - 1 rounds in float32, as transformers' own GGUF loading does

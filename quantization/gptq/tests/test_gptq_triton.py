@@ -1,20 +1,35 @@
 """The Triton packed-int matmul against the torch path, on odd shapes (M = 1, 7, 64; K not a
-multiple of the group or of the block; act-order): on the CPU under ``TRITON_INTERPRET=1``
-(set here before triton is imported), and on CUDA where a GPU is lent (``-m gpu``)."""
+multiple of the group or of the block; act-order): on the CPU under ``TRITON_INTERPRET=1``, and on
+CUDA where a GPU is lent (``-m gpu``).
+
+The interpreter has to be on before triton is first imported, and in a whole test run another
+module has imported it long before this one: the interpreted cases run in a child pytest with
+``TRITON_INTERPRET=1``, started by one test here (setting the variable in this process would
+also leak into every later test)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before triton is imported: the kernel is then interpreted on the CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from tokenmill_quant_gptq.kernels import dequantized_linear, gptq_dequantize, pack_rows
 
-triton_kernels = pytest.importorskip("tokenmill_quant_gptq.triton_kernels")
+pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="this is the child run, or a GPU runs the kernel")
+def test_the_interpreted_cases_pass_under_the_interpreter():
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "interpreted_kernel"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                           text=True)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert "27 passed" in child.stdout, child.stdout[-2000:]  # 9 shapes x 3 (bits, act-order) recipes
+
 
 SHAPES = [(m, k, n, g) for m in (1, 7, 64) for k, n, g in ((80, 24, 32), (64, 40, 64), (136, 48, 128))]
 
@@ -36,11 +51,13 @@ def _check(m, k, n, group, bits, act_order, device):
     generator = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=generator).to(device), torch.randn(n, generator=generator).to(device)
     expected = dequantized_linear(x, gptq_dequantize(qweight, zeros, scales, g_idx, bits), bias)
+    from tokenmill_quant_gptq import triton_kernels
+
     ours = triton_kernels.packed_int_linear_triton(x, qweight, zeros, scales, g_idx, bits, bias)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run needs triton's interpreter")
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 @pytest.mark.parametrize(("m", "k", "n", "group"), SHAPES)
 @pytest.mark.parametrize(("bits", "act_order"), [(4, False), (4, True), (8, True)])
 def test_the_interpreted_kernel_is_the_torch_path(m, k, n, group, bits, act_order):
