@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_tensor_parallel import STRESS, _alive, _generate, _prompts
@@ -23,7 +24,11 @@ MAX_NEW = 10
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    # the actors unpickle the tests' probes (tests/worker_probe.py) by module name
+    tests = str(Path(__file__).parent)
+    python_path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": python_path}})
     yield ray
     ray.shutdown()
 

@@ -120,8 +120,10 @@ class MultiprocExecutor(Executor):
                 self._fail(f"worker rank {rank} closed its pipe")
             if status == "error":
                 # A rank that died explains the others' failed collectives best; its peers see
-                # its sockets close a moment before it can be reaped, so give it that moment.
-                self._check_alive(grace=DEATH_GRACE_SECONDS)
+                # its sockets close a moment before it can be reaped, so give it that moment. A rank
+                # that exited cleanly did so after sending its own error (one raised while it was
+                # built): that is no death to report.
+                self._check_alive(grace=DEATH_GRACE_SECONDS, clean_exits_reported=True)
                 self._fail(f"worker rank {rank} raised:\n{value}")
             results.append(value)
         return results
@@ -132,13 +134,20 @@ class MultiprocExecutor(Executor):
         self._fail(f"worker rank {rank}'s pipe broke: {exc}")
         return []  # unreachable: _fail raises
 
-    def _check_alive(self, grace: float = 0.0) -> None:
-        """Fail naming the first rank that is dead, waiting up to ``grace`` seconds for one to be."""
+    def _check_alive(self, grace: float = 0.0, clean_exits_reported: bool = False) -> None:
+        """Fail naming the first rank that is dead, waiting up to ``grace`` seconds for one to be.
+        A rank that exited with 0 and whose pipe still holds a message (the error it sent before
+        returning) is left for that message to explain; with ``clean_exits_reported``, any rank that
+        exited with 0 is (its message was read)."""
         deadline = time.monotonic() + grace
         while True:
             for rank, process in enumerate(self.processes):
-                if not process.is_alive():
-                    self._fail(f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+                if process.is_alive() or (clean_exits_reported and process.exitcode == 0):
+                    continue
+                with contextlib.suppress(OSError):
+                    if process.exitcode == 0 and self.pipes[rank].poll(0):
+                        continue
+                self._fail(f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(POLL_SECONDS / 10)
