@@ -27,6 +27,7 @@ from tokenmill.layers.moe import (
 )
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.online_quantization import add_float_weight, quantize_loaded_weight
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
 from tokenmill.layers.packed_int import (
     SUPPORTED_BITS,
@@ -78,6 +79,7 @@ __all__ = [
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "WeightLoader",
+    "add_float_weight",
     "bidirectional_attention",
     "check_experts_loaded",
     "default_weight_loader",
@@ -89,6 +91,7 @@ __all__ = [
     "load_weight",
     "make_layers",
     "on_stage",
+    "quantize_loaded_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",
     "select_experts",

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from tokenmill.layers import Linear, OutputShardLoader
+from tokenmill.layers import Linear, OutputShardLoader, add_float_weight, quantize_loaded_weight
 from tokenmill_quant_int8.kernels import int8_matmul, quantize_per_token, quantize_weight_per_channel, scale_output
 
 
@@ -47,14 +47,10 @@ class Int8OnlineLinearMethod(Int8W8A8LinearMethod):
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
-        layer.add_parameter("weight", torch.empty(sum(output_partition_sizes), input_size, dtype=params_dtype),
-                            output_dim=0)
+        add_float_weight(layer, input_size, output_partition_sizes, params_dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        linear = cast(Linear, layer)
-        qweight, scale = quantize_weight_per_channel(cast(torch.Tensor, linear.weight).data)
-        linear.add_parameter("weight", qweight, output_dim=0)
-        linear.add_parameter("weight_scale", scale, output_dim=0)
+        quantize_loaded_weight(cast(Linear, layer), quantize_weight_per_channel)
 
 
 def _load_int8_weight(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
