@@ -22,8 +22,8 @@ from tiny_models import hf_greedy
 from worker_probe import worker_pids
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.multiproc import WorkerFailure
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
+from tokenmill.executor.remote_ranks import WorkerFailure
 from tokenmill.layers import PipelineStage
 
 MAX_NEW = 10

@@ -16,7 +16,7 @@ from tiny_models import hf_greedy
 from worker_probe import worker_pids
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.multiproc import WorkerFailure
+from tokenmill.executor.remote_ranks import WorkerFailure
 
 MAX_NEW = 10
 

@@ -23,7 +23,7 @@ from tiny_models import hf_greedy
 from worker_probe import worker_pids
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.multiproc import WorkerFailure
+from tokenmill.executor.remote_ranks import WorkerFailure
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.layers import Linear, MergedLinear, ModelBuildContext, ParallelLMHead, VocabEmbedding, load_weight
 

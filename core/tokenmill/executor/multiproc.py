@@ -23,19 +23,19 @@ import contextlib
 import logging
 import multiprocessing
 import socket
-import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
 
-from tokenmill.executor.base import Executor, failed
+from tokenmill.executor.remote_ranks import RemoteRanksExecutor
+from tokenmill.executor.remote_ranks import WorkerFailure as WorkerFailure  # where callers first found it
 from tokenmill.platform import Platform, platform_device_count
 from tokenmill.worker.spec import WorkerSpec
 
@@ -46,11 +46,7 @@ DEATH_GRACE_SECONDS = 1.0  # how long a rank's error waits for a peer to show as
 STOP_SECONDS = 5.0  # how long a rank may take to exit on shutdown before it is killed
 
 
-class WorkerFailure(RuntimeError):
-    """A worker process died or raised; the executor is unusable afterwards."""
-
-
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteRanksExecutor):
     """``spec.config.world_size`` worker processes (``spec.world_size`` is set to it)."""
 
     def __init__(self, spec: WorkerSpec, platform: Platform | None = None, **worker_args: Any) -> None:
@@ -66,7 +62,6 @@ class MultiprocExecutor(Executor):
         config = spec.config.model_copy(update={"num_threads": threads})
         port = free_port()
         context = multiprocessing.get_context("spawn")
-        self.failure: str | None = None
         self.processes: list[BaseProcess] = []
         self.pipes: list[Connection] = []
         for rank in range(world_size):
@@ -80,8 +75,7 @@ class MultiprocExecutor(Executor):
             self.processes.append(process)
             self.pipes.append(parent_end)
         self._finalizer = weakref.finalize(self, stop_processes, list(self.processes), list(self.pipes))
-        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-mp-collect")
-        self._send_lock = threading.Lock()
+        self._start_collecting("tokenmill-mp-collect")
         logger.info("mp executor: %d ranks over %s, %d threads each", world_size, backend, threads)
         try:
             self._gather()  # every rank reports once its model is built
@@ -92,11 +86,9 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        ) -> Any:  # list[Any] | Future[list[Any]], as the overloads say
-        if self.failure is not None:
-            error = WorkerFailure(self.failure)
-            if non_block:
-                return failed(error)
-            raise error
+        refused = self._refuse_after_failure(non_block)
+        if refused is not None:
+            return refused
         with self._send_lock:  # the calls reach every rank in one order
             for rank, pipe in enumerate(self.pipes):
                 try:
@@ -151,18 +143,6 @@ class MultiprocExecutor(Executor):
             if time.monotonic() >= deadline:
                 return
             time.sleep(POLL_SECONDS / 10)
-
-    def _fail(self, message: str) -> None:
-        self.failure = message
-        self._finalizer()  # the other ranks may be waiting in a collective: stop them all
-        raise WorkerFailure(message)
-
-    def shutdown(self) -> None:
-        if self.failure is None and self._finalizer.alive:
-            with contextlib.suppress(WorkerFailure):
-                self.collective_rpc("shutdown")
-        self._finalizer()
-        self._collector.shutdown(wait=False)
 
 
 def rank_threads(spec: WorkerSpec, world_size: int) -> int:

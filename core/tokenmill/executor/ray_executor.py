@@ -20,14 +20,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
-from tokenmill.executor.base import Executor, failed
-from tokenmill.executor.multiproc import WorkerFailure, free_port, rank_threads
+from tokenmill.executor.multiproc import free_port, rank_threads
+from tokenmill.executor.remote_ranks import RemoteRanksExecutor
 from tokenmill.platform import Platform
 from tokenmill.worker.spec import WorkerSpec
 
@@ -75,7 +74,7 @@ class RayRank:
         return self.worker.execute_method(method, args, kwargs)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteRanksExecutor):
     """``spec.config.world_size`` Ray actors, one bundle each of a placement group (a GPU per
     bundle where the platform has a device per rank, else CPUs: each rank's thread share)."""
 
@@ -96,7 +95,6 @@ class RayExecutor(Executor):
         threads = rank_threads(spec, world_size)
         bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpus else {"CPU": float(threads)}
         self.group = placement_group([dict(bundle)] * world_size, strategy="PACK")
-        self.failure: str | None = None
         self.actors: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop_actors, ray, self.actors, self.group, remove_placement_group,
                                            self.owns_cluster)
@@ -113,8 +111,7 @@ class RayExecutor(Executor):
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
                     name=None).remote(rank_spec))
             address, port = ray.get(self.actors[0].rendezvous_address.remote())
-            self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-ray-collect")
-            self._send_lock = threading.Lock()
+            self._start_collecting("tokenmill-ray-collect")
             self._gather([actor.start.remote(backend, address, port) for actor in self.actors])
         except BaseException:
             self._finalizer()
@@ -124,11 +121,9 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        ) -> Any:  # list[Any] | Future[list[Any]], as the overloads say
-        if self.failure is not None:
-            error = WorkerFailure(self.failure)
-            if non_block:
-                return failed(error)
-            raise error
+        refused = self._refuse_after_failure(non_block)
+        if refused is not None:
+            return refused
         with self._send_lock:  # the calls reach every actor in one order
             refs = [actor.execute_method.remote(method, args, kwargs) for actor in self.actors]
             future: Future[list[Any]] = self._collector.submit(self._gather, refs)
@@ -165,19 +160,6 @@ class RayExecutor(Executor):
                 self._fail(f"worker rank {rank} (Ray actor) died: {exc}")
             except ray.exceptions.RayError:
                 pass
-
-    def _fail(self, message: str) -> None:
-        self.failure = message
-        self._finalizer()  # the other ranks may be waiting in a collective: stop them all
-        raise WorkerFailure(message)
-
-    def shutdown(self) -> None:
-        if self.failure is None and self._finalizer.alive:
-            with contextlib.suppress(WorkerFailure):
-                self.collective_rpc("shutdown")
-        self._finalizer()
-        with contextlib.suppress(AttributeError):
-            self._collector.shutdown(wait=False)
 
 
 def _stop_actors(ray: Any, actors: list[Any], group: Any, remove_placement_group: Callable[[Any], None],
