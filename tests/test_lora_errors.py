@@ -79,6 +79,23 @@ def test_an_adapter_never_shares_kv_with_another_or_the_base(llm, good):
     assert again.num_cached_tokens > 0
 
 
+def test_the_kv_follows_the_adapters_weights_not_its_name(llm, llama_path, good, tmp_path):
+    """A name unloaded and registered again with other weights never meets the blocks its old
+    weights left; the same weights under two names share theirs."""
+    prompt = {"prompt_token_ids": list(range(60, 100))}
+    other = LoRARequest("other", 2, str(build_adapter(llama_path, tmp_path / "other", seed=7, r=4, lora_alpha=8,
+                                                      target_modules=["q_proj", "down_proj"])))
+    with_good = llm.generate(prompt, PARAMS, lora_request=good)[0]
+    with_other = llm.generate(prompt, PARAMS, lora_request=other)[0]
+    assert with_other.outputs[0].token_ids != with_good.outputs[0].token_ids
+    llm.engine.remove_lora("good")
+    renamed = LoRARequest("good", 1, other.lora_path)
+    again = llm.generate(prompt, PARAMS, lora_request=renamed)[0]
+    assert again.outputs[0].token_ids == with_other.outputs[0].token_ids
+    assert again.num_cached_tokens > 0  # the blocks "other" left
+    llm.engine.remove_lora("good")  # the later tests register the original again
+
+
 def test_lora_needs_enable_lora(llama_path, good):
     plain = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
     with pytest.raises(InvalidRequestError, match="enable_lora"):

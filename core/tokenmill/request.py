@@ -80,6 +80,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     lora_name: str | None = None
+    lora_content_hash: str | None = None  # set once the adapter is loaded; its blocks' prefix-cache key
     mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, length, hash)
     cache_salt: str | None = None
     max_tokens: int = 16  # the effective limit, max_model_len included

@@ -83,6 +83,24 @@ def test_each_adapter_answers_as_offline(lora_client, offline):
     assert chat.model == "attn" and chat.choices[0].message.content is not None
 
 
+def test_responses_and_messages_routes_serve_adapters(lora_client, lora_http):
+    """An adapter named in ``model`` answers the Responses and Messages routes as it does chat."""
+    def chat(model: str) -> str | None:
+        reply = lora_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=6, temperature=0.0)
+        return reply.choices[0].message.content
+
+    for model in ("attn", "mlp"):
+        response = lora_client.responses.create(model=model, input="hi", max_output_tokens=6, temperature=0.0)
+        assert response.model == model and response.output_text == chat(model)
+        message = lora_http.post("/v1/messages", json={"model": model, "max_tokens": 6, "temperature": 0.0,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert message.status_code == 200, message.text
+        assert message.json()["model"] == model
+        assert "".join(block["text"] for block in message.json()["content"]) == chat(model)
+    assert chat("attn") != chat(MODEL)  # the adapter is really applied
+
+
 def test_load_request_unload_request(lora_client, lora_http, adapter_paths, offline):
     loaded = lora_http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter_paths["late"]})
     assert loaded.status_code == 200, loaded.text

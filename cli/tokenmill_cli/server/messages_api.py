@@ -140,7 +140,8 @@ async def _serve(body: MessagesRequest, state: ServerState, request: Request) ->
     constraint = reasoning.constrain(chat_constraint(tools, output_constraint(body.output_config)))
     plan = _Plan(new_message_id(), model, tools, reasoning, _sampling_params(body, constraint))
     merged = generate_chat(state, chat_messages(body.system, body.messages), rendering(body), plan.params,
-                           constraint, plan.id, body.priority, body.timeout)
+                           constraint, plan.id, body.priority, body.timeout,
+                           lora_request=state.lora_request(body.model))
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         return SSEResponse(request, _Stream(plan).events(first[1], merged), on_close=merged.aclose)

@@ -138,7 +138,8 @@ async def _serve(body: ResponsesRequest, state: ServerState, request: Request) -
     rendering = ChatRendering(add_generation_prompt=True, continue_final_message=False, chat_template=None,
                               tools=tools_param)
     merged = generate_chat(state, chat_messages(body.instructions, conversation), rendering, params, constraint,
-                           plan.response.id, body.priority, body.timeout, param="input")
+                           plan.response.id, body.priority, body.timeout, param="input",
+                           lora_request=state.lora_request(body.model))
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         stream = _Stream(plan, state, EventWriter())

@@ -73,7 +73,9 @@ def _encode_key(key: Any) -> bytes:
 def block_extra_keys(request: Request, start: int, end: int) -> tuple | None:
     """What besides tokens decides the KV of the block over positions [start, end).
 
-    The LoRA adapter changes every block's KV; a multimodal item changes the
+    The LoRA adapter changes every block's KV (keyed by its content: its name alone could
+    be re-registered with other weights, and the hash is known before the request is ever
+    scheduled, since it waits for its adapter to load); a multimodal item changes the
     KV of the blocks its placeholder tokens overlap (the placeholder token ids
     alone do not say which image it was); the cache salt isolates tenants,
     and since every later hash chains through the first block, salting the
@@ -81,7 +83,7 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple | None:
     """
     keys: list[tuple[str, str]] = []
     if request.lora_name is not None:
-        keys.append((LORA_KEY, request.lora_name))
+        keys.append((LORA_KEY, request.lora_content_hash or request.lora_name))
     for offset, length, mm_hash in request.mm_hashes:
         if offset < end and offset + length > start:
             keys.append((MM_KEY, mm_hash))

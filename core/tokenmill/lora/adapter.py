@@ -11,6 +11,7 @@ It touches no engine state, so it runs on any thread (off the step loop).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -44,6 +45,7 @@ class LoRAAdapter:
     name: str
     rank: int
     modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)  # checkpoint module -> weights
+    content_hash: str = ""  # of its config and weights files: what its prefix-cache blocks are keyed by
 
     @property
     def num_bytes(self) -> int:
@@ -65,9 +67,10 @@ class LoRAAdapterLoader:
         config = _read_config(name, folder)
         rank = _rank(name, config, self.max_rank)
         _check_target_modules(name, config, self.targets)
-        tensors = _read_weights(name, folder)
+        weights = _read_weights_file(name, folder)
+        tensors = _parse_weights(name, folder, weights)
         scaling = _scaling(name, config)
-        adapter = LoRAAdapter(name, rank)
+        adapter = LoRAAdapter(name, rank, content_hash=_content_hash(config, weights))
         for module, (lora_a, lora_b) in _pairs(name, tensors).items():
             target = self.targets.get(module)
             if target is None:
@@ -147,17 +150,33 @@ def _check_target_modules(name: str, config: dict[str, Any], targets: LoRATarget
                                      f"(it has {sorted(present)})")
 
 
-def _read_weights(name: str, folder: Path) -> dict[str, torch.Tensor]:
+def _read_weights_file(name: str, folder: Path) -> bytes:
     file = folder / WEIGHTS_FILE
     if not file.is_file():
         raise LoRAAdapterError(name, f"{folder} has no {WEIGHTS_FILE}")
     try:
-        from safetensors.torch import load_file
+        return file.read_bytes()
+    except OSError as exc:
+        raise LoRAAdapterError(name, f"{file} cannot be read ({exc})") from exc
 
-        return load_file(str(file))
+
+def _parse_weights(name: str, folder: Path, weights: bytes) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load
+
+        return load(weights)
     except Exception as exc:  # a truncated or garbled file
-        raise LoRAAdapterError(name, f"{file} is not a readable safetensors file ({type(exc).__name__}: "
-                                     f"{exc})") from exc
+        raise LoRAAdapterError(name, f"{folder / WEIGHTS_FILE} is not a readable safetensors file "
+                                     f"({type(exc).__name__}: {exc})") from exc
+
+
+def _content_hash(config: dict[str, Any], weights: bytes) -> str:
+    """What decides the adapter's effect on KV: its config (scaling, ranks) and its weights.
+    Keying the prefix cache by it, not by the name, means a name re-registered with other
+    weights never meets the old weights' blocks, and the same adapter under two names shares them."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(weights)
+    return digest.hexdigest()
 
 
 def _scaling(name: str, config: dict[str, Any]) -> Any:

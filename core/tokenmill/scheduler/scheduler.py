@@ -215,6 +215,7 @@ class Scheduler:
                 continue
             del self.waiting_for_lora[request.request_id]
             self._lora_slots[request.request_id] = slot
+            request.lora_content_hash = adapter.content_hash
             request.transition(RequestStatus.WAITING)
             self.waiting.add(request)
 
