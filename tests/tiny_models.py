@@ -12,23 +12,19 @@ from pathlib import Path
 from typing import Any
 
 # The tokenizer and the builders live in the conformance kit, which plugins' own test suites use too.
-from tokenmill.testing.tiny_models import CORPUS, VOCAB_SIZE, build_tokenizer, hf_greedy, save_random_model
+from tokenmill.testing.tiny_models import (
+    CORPUS,
+    TINY_DIMENSIONS,
+    VOCAB_SIZE,
+    build_tokenizer,
+    hf_greedy,
+    save_random_model,
+)
 
 __all__ = ["ARCHS", "COMMON", "CORPUS", "VOCAB_SIZE", "build_model", "build_tokenizer", "hf_greedy"]
 
 
-COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
-)
+COMMON = dict(TINY_DIMENSIONS)  # the kit's tiny sizes, vocabulary and special-token ids
 
 ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

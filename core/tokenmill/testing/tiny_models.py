@@ -25,6 +25,12 @@ CORPUS = [
 VOCAB_SIZE = 384
 # The special tokens build_tokenizer trains first, so their ids are fixed.
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 0, 1, 2
+# The sizes of the repository's tiny models: 2 layers, 64 wide, 4 heads over 2 KV heads.
+TINY_DIMENSIONS: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+    pad_token_id=PAD_TOKEN_ID,
+)
 
 
 def build_tokenizer(folder: Path) -> Any:
