@@ -84,8 +84,8 @@ class PlatformConformance:
         from tokenmill.config import EngineConfig
 
         platform = self._platform()
-        assert platform.kv_cache_bytes(EngineConfig(kv_cache_memory=EXPLICIT_KV_BYTES)) == EXPLICIT_KV_BYTES
-        budget = platform.kv_cache_bytes(EngineConfig())
+        assert platform.kv_cache_bytes(EngineConfig.model_validate({"kv_cache_memory": EXPLICIT_KV_BYTES})) == EXPLICIT_KV_BYTES
+        budget = platform.kv_cache_bytes(EngineConfig.model_validate({}))
         assert isinstance(budget, int) and budget > 0
 
     @pytest.fixture(scope="class")

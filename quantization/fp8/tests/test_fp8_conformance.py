@@ -8,6 +8,8 @@ inputs keeps at about that relative size in the output (measured: 0.016-0.020); 
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from fp8_models import FP8_MAX, quantize
 
@@ -32,20 +34,37 @@ class _Fp8Conformance(QuantizationConformance):
 
 
 class TestFp8PerTensorConformance(_Fp8Conformance):
-    quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     scheme = "per-tensor"
 
 
 class TestFp8PerChannelConformance(_Fp8Conformance):
-    quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     scheme = "per-channel"
 
 
 class TestFp8StaticConformance(_Fp8Conformance):
-    quantization_config = {"quant_method": "fp8", "activation_scheme": "static"}
+    quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "activation_scheme": "static"}
     scheme = "static"
 
 
 class TestFp8BlockConformance(_Fp8Conformance):
-    quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+    quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
     scheme = "block"
+
+
+class _WrongScaleFp8(_Fp8Conformance):
+    """A factory whose dequantised weight is 5% off the tensors it writes."""
+
+    quantization_config: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+    def make_weights(self, out_features: int, in_features: int, seed: int) -> QuantizedWeights:
+        right = super().make_weights(out_features, in_features, seed)
+        return QuantizedWeights(right.tensors, right.dequantized * 1.05)
+
+
+def test_the_kit_fails_a_weight_that_is_not_what_the_tensors_hold():
+    import pytest
+
+    with pytest.raises(AssertionError, match="relative error"):
+        _WrongScaleFp8().test_linear_matches_dequantized_weight((64, 96), "float32")

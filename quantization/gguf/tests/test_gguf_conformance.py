@@ -5,6 +5,8 @@ default tolerance (accumulation order)."""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -15,7 +17,7 @@ from tokenmill.testing.quantization import QuantizationConformance, QuantizedWei
 
 class _GgufConformance(QuantizationConformance):
     method = "gguf"
-    quantization_config: dict[str, object] = {}  # a single-file format: no quantization_config
+    quantization_config: ClassVar[dict[str, Any]] = {}  # a single-file format: no quantization_config
     qtype = GGMLQuantizationType.Q8_0
     activation_dtypes = ("float32", "bfloat16")
 

@@ -9,6 +9,8 @@ output (measured: 0.003-0.004); 0.01.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from w8a8_models import W8A8_CONFIG, quantize_per_channel
 
 from tokenmill.testing.quantization import QuantizationConformance, QuantizedWeights, random_weight
@@ -17,7 +19,7 @@ from tokenmill.testing.quantization import QuantizationConformance, QuantizedWei
 class TestInt8Conformance(QuantizationConformance):
     method = "int8_w8a8"
     # llm-compressor's W8A8 group, under the alias that comes to this plugin directly
-    quantization_config = {**W8A8_CONFIG, "quant_method": "int8_w8a8"}
+    quantization_config: ClassVar[dict[str, Any]] = {**W8A8_CONFIG, "quant_method": "int8_w8a8"}
     relative_tolerance = 0.01
     activation_dtypes = ("float32", "bfloat16")
 
