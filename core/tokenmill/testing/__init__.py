@@ -14,7 +14,9 @@ torch when a test module imports them:
 * :mod:`tokenmill.testing.quantization` — :class:`~tokenmill.testing.quantization.QuantizationConformance`:
   a linear layer loaded from on-disk tensors against its dequantised weight;
 * :mod:`tokenmill.testing.models` — :class:`~tokenmill.testing.models.ModelConformance`:
-  greedy tokens against transformers on a tiny config the plugin gives.
+  greedy tokens against transformers on a tiny config the plugin gives;
+  :mod:`tokenmill.testing.pooling_models` — :class:`~tokenmill.testing.pooling_models.PoolingModelConformance`:
+  an encoder's pooled embeddings against transformers' hidden states.
 
 A test module subclasses one of them as ``class TestSomething(...)`` and sets its class
 attributes; docs/plugins.md ("Testing a plugin with the conformance kit") shows each.

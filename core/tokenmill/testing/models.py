@@ -16,8 +16,7 @@ chunked over several steps beside other requests' decodes::
 
 ``TINY_DIMENSIONS`` (:mod:`tokenmill.testing.tiny_models`) are the sizes the repository's
 own models use (2 layers, 64 wide, 4 heads over 2 KV heads, the kit's 384-token vocabulary). An encoder that
-pools instead of generating is not for this class (tokenmill-models-bert checks its
-embeddings against sentence-transformers in its own tests).
+pools instead of generating has its own variant, :mod:`tokenmill.testing.pooling_models`.
 """
 
 from __future__ import annotations
