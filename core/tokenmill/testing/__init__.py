@@ -20,10 +20,10 @@ torch when a test module imports them:
 
 A test module subclasses one of them as ``class TestSomething(...)`` and sets its class
 attributes; docs/plugins.md ("Testing a plugin with the conformance kit") shows each.
-What the plugin adds to pytest: the ``--tokenmill-kit=small|full`` option (``full`` adds
-the larger attention cases), the parametrisation of the attention cases from it, the
-``tokenmill_kit`` marker on every kit test (``-m "not tokenmill_kit"`` leaves them out),
-and the ``gpu`` marker.
+The classes parametrise their own tests (:mod:`tokenmill.testing.kit_base`), so they run
+without this plugin too; what it adds: the ``--tokenmill-kit=small|full`` option (``full``
+adds the larger attention cases), the ``tokenmill_kit`` marker on every kit test
+(``-m "not tokenmill_kit"`` leaves them out) and the ``gpu`` marker.
 """
 
 from __future__ import annotations
@@ -47,18 +47,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a GPU")
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    cls = metafunc.cls
-    if cls is None or not hasattr(cls, "tokenmill_kit_parameters"):
-        return
-    full = metafunc.config.getoption("--tokenmill-kit", default="small") == "full"
-    for name, values, ids in cls.tokenmill_kit_parameters(full):
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, values, ids=ids)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         cls: Any = getattr(item, "cls", None)
-        if cls is not None and hasattr(cls, "tokenmill_kit_parameters"):
+        if cls is not None and any(base.__name__ == "KitTestClass" for base in cls.__mro__):
             item.add_marker(KIT_MARKER)

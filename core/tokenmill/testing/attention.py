@@ -45,6 +45,7 @@ from tokenmill.testing.attention_cases import (
     build_paged_batch,
     reference_attention,
 )
+from tokenmill.testing.kit_base import KitTestClass
 
 REFERENCE_BACKEND = "sdpa"
 # (atol, rtol) against the float64 definition; inputs are N(0, 1), outputs of order 1.
@@ -63,7 +64,7 @@ def registered_attention_spec(name: str, platform: Any = None) -> AttentionBacke
     return named[name][1] if name in named else None
 
 
-class AttentionBackendConformance:
+class AttentionBackendConformance(KitTestClass):
     """Base of a backend's conformance tests (not collected itself: no ``Test`` prefix)."""
 
     backend_name: ClassVar[str | None] = None

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from tokenmill.testing.kit_base import KitTestClass
 from tokenmill.testing.tiny_models import (
     TINY_DIMENSIONS,
     VOCAB_SIZE,
@@ -46,7 +47,7 @@ def kit_prompts(lengths: tuple[int, ...], seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in lengths]
 
 
-class ModelConformance:
+class ModelConformance(KitTestClass):
     """Base of a model plugin's conformance tests (not collected itself)."""
 
     architecture: ClassVar[str]
@@ -62,10 +63,6 @@ class ModelConformance:
     def build_checkpoint(self, folder: Path) -> Path:
         """Write the tiny checkpoint (config, safetensors, tokenizer) into ``folder``."""
         return save_random_model(folder, self.tiny_config(), self.transformers_class or self.architecture)
-
-    @classmethod
-    def tokenmill_kit_parameters(cls, full: bool) -> list[tuple[str, list[Any], list[str]]]:
-        return []
 
     @pytest.fixture(scope="class")
     def model_checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tokenmill.plugins.specs import PlatformSpec, resolve_qualname
+from tokenmill.testing.kit_base import KitTestClass
 from tokenmill.testing.tiny_models import TINY_DIMENSIONS, hf_greedy, save_random_model, tokenmill_greedy
 
 EXPLICIT_KV_BYTES = 8 << 20
@@ -40,7 +41,7 @@ def detected_platforms() -> list[PlatformSpec]:
     return [result.value for result in get_plugin_manager().collect("tokenmill_detect_platform")]
 
 
-class PlatformConformance:
+class PlatformConformance(KitTestClass):
     """Base of a platform plugin's conformance tests (not collected itself)."""
 
     platform_name: ClassVar[str]
@@ -50,10 +51,6 @@ class PlatformConformance:
     def device_available(self) -> bool:
         """Whether this machine has the platform's device (the plugin's own probe)."""
         return True
-
-    @classmethod
-    def tokenmill_kit_parameters(cls, full: bool) -> list[tuple[str, list[Any], list[str]]]:
-        return []
 
     def _spec(self) -> PlatformSpec:
         found = {spec.name: spec for spec in detected_platforms()}

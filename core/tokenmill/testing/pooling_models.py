@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from tokenmill.testing.kit_base import KitTestClass
+
 KIT_TEXTS = (
     "the cat sleeps on the mat",
     "a dog runs in the park today",
@@ -49,7 +51,7 @@ def transformers_pooled(folder: Path, texts: list[str], pooling: str) -> torch.T
     return hidden[torch.arange(len(texts)), mask.sum(1) - 1]
 
 
-class PoolingModelConformance:
+class PoolingModelConformance(KitTestClass):
     """Base of a pooling model plugin's conformance tests (not collected itself)."""
 
     architecture: ClassVar[str]

@@ -36,6 +36,7 @@ from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.linear import Linear, load_weight, process_weights_after_loading
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.plugins.specs import QuantMethodSpec, resolve_qualname
+from tokenmill.testing.kit_base import KitTestClass
 
 LAYER_PREFIX = "model.layers.0.mlp.down_proj"
 
@@ -65,7 +66,7 @@ def registered_quant_spec(name: str, platform: Any = None) -> QuantMethodSpec | 
     return None
 
 
-class QuantizationConformance:
+class QuantizationConformance(KitTestClass):
     """Base of a quantization method's conformance tests (not collected itself)."""
 
     method: ClassVar[str]
