@@ -76,3 +76,12 @@ def test_kit_cases_run_in_a_child_with_their_environment():
                               extra_args=["-k", "mixed or decode-only"])
     assert "2 passed" in output
     assert "TOKENMILL_KIT_CHILD_CHECK" not in os.environ  # the parent is untouched
+
+
+class TestUnregisteredClassConformance(AttentionBackendConformance):
+    """A backend given as a bare class with a device and dtypes, no spec (as a backend under
+    development is): the kit runs every case but the soft cap."""
+
+    backend = SDPABackend
+    dtypes = ("float32",)
+    compare_with_reference_backend = False

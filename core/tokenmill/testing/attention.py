@@ -18,9 +18,10 @@ values at the slot mapping and nothing else changed. A case the backend's spec o
 class rules out (head size, sliding window, soft cap, block size, a named exclusion) is
 skipped with the reason, so a run's summary shows what was not checked.
 
-``backend`` (a ``"module:Class"`` or the class) and ``spec`` (an
-:class:`~tokenmill.plugin_api.AttentionBackendSpec`) point the kit at a class that is not
-registered yet; :meth:`make_backend` builds it (``cls(block_size=...)`` by default).
+``backend`` (a ``"module:Class"`` or the class) points the kit at a class that is not
+registered yet, with ``spec`` (an :class:`~tokenmill.plugin_api.AttentionBackendSpec`) saying
+what it supports (without one: the class's device, every dtype, a sliding window, no soft
+cap); :meth:`make_backend` builds it (``cls(block_size=...)`` by default).
 ``required_env``: the cases run only where these environment variables are set (a Triton
 kernel under ``TRITON_INTERPRET=1``, which must be set before triton is imported, so in a
 child pytest: :func:`tokenmill.testing.child.run_pytest_child`); elsewhere they skip.
@@ -85,7 +86,11 @@ class AttentionBackendConformance(KitTestClass):
         if cls.spec is not None:
             return cls.spec
         if cls.backend_name is None:
-            raise TypeError(f"{cls.__name__}: set backend_name (a registered backend) or spec")
+            if cls.backend is None:
+                raise TypeError(f"{cls.__name__}: set backend_name (a registered backend), or backend (and spec)")
+            # An unregistered class: it runs on the class's device, in any dtype, with a window, no soft cap.
+            qualname = cls.backend if isinstance(cls.backend, str) else f"{cls.backend.__module__}:{cls.backend.__qualname__}"
+            return AttentionBackendSpec(name=qualname, qualname=qualname, device_types=(torch.device(cls.device).type,))
         spec = registered_attention_spec(cls.backend_name)
         if spec is None:
             pytest.fail(f"no installed plugin registers the attention backend {cls.backend_name!r}")
