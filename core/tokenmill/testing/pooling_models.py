@@ -31,7 +31,7 @@ KIT_TEXTS = (
     "paris is the capital of france",
     "who plays music",
 )
-EMBEDDING_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
+EMBEDDING_ATOL, EMBEDDING_RTOL = 1e-5, 1e-4
 
 
 def transformers_pooled(folder: Path, texts: list[str], pooling: str) -> torch.Tensor:
@@ -86,4 +86,4 @@ class PoolingModelConformance(KitTestClass):
         outputs = engine.embed(list(self.texts), pooling=pooling)
         ours = torch.tensor([out.outputs.embedding for out in outputs])
         expected = transformers_pooled(model_checkpoint, list(self.texts), pooling)
-        torch.testing.assert_close(ours, expected, **EMBEDDING_TOLERANCE)
+        torch.testing.assert_close(ours, expected, atol=EMBEDDING_ATOL, rtol=EMBEDDING_RTOL)
