@@ -1,0 +1,120 @@
+"""The Triton paged attention and KV write against the SDPA reference, on CPU tensors
+through Triton's interpreter.
+
+The interpreter has to be on (``TRITON_INTERPRET=1``) before triton is first imported
+(torch imports it too), so without it in the environment one test reruns this file's
+interpreted cases in a child pytest that has it; the cases are small (the interpreter
+runs each tile op through numpy)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton_attention_cases import Case, build_inputs, run_backend, sdpa_reference
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+
+MIXED = ((0, 19), (40, 1), (17, 1), (0, 3), (33, 12))  # prompts, decodes, and a chunk after a cached prefix
+CASES = {
+    "prefill-only": Case(((0, 20), (0, 7), (0, 1))),
+    "decode-only": Case(((30, 1), (5, 1), (64, 1), (15, 1))),
+    "mixed": Case(MIXED),
+    "chunked-prefill-after-prefix": Case(((37, 12), (16, 16), (64, 30))),
+    "sliding-window": Case(((40, 9), (50, 1), (0, 20), (3, 1)), sliding_window=8),
+    "sliding-window-wider-than-a-key-tile": Case(((70, 5), (90, 1)), sliding_window=45),
+    "soft-cap": Case(MIXED, soft_cap=5.0, query_scale=4.0),
+    "soft-cap-and-window": Case(MIXED, soft_cap=5.0, query_scale=4.0, sliding_window=10),
+    "gqa-1": Case(MIXED, num_heads=4, num_kv_heads=4),
+    "gqa-2": Case(MIXED, num_heads=4, num_kv_heads=2),
+    "gqa-4": Case(MIXED, num_heads=8, num_kv_heads=2),
+    "gqa-3-padded-group": Case(MIXED, num_heads=6, num_kv_heads=2),
+    "block-size-32": Case(MIXED, block_size=32),
+    "block-size-8": Case(MIXED, block_size=8),
+    "head-size-24": Case(MIXED, head_size=24),
+    "one-request-long-prompt": Case(((0, 70),), num_heads=2, num_kv_heads=1),
+}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from tokenmill_attn_triton.backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+def test_the_interpreted_cases_pass_under_the_interpreter():
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                           text=True)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    expected = len(CASES) + 4  # the cases, float16, the soft cap's effect, and two KV write cases
+    assert f"{expected} passed" in child.stdout, child.stdout[-2000:]
+
+
+def _assert_matches_sdpa(backend, case: Case, dtype: torch.dtype = torch.float32, tolerance: float = 2e-5) -> None:
+    inputs = build_inputs(case, dtype=dtype)
+    out, key_cache, value_cache = run_backend(backend, inputs)
+    expected, expected_keys, expected_values = sdpa_reference(inputs)
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    # the whole caches: the new tokens' slots written, every other slot untouched
+    torch.testing.assert_close(key_cache.float(), expected_keys, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache.float(), expected_values, rtol=0, atol=0)
+
+
+@interpreted_only
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreted_attention_matches_sdpa(name, backend):
+    _assert_matches_sdpa(backend, CASES[name])
+
+
+@interpreted_only
+def test_interpreted_float16_matches_sdpa_in_float32(backend):
+    # (bfloat16 is checked on the GPU: numpy, under the interpreter, has no bfloat16)
+    _assert_matches_sdpa(backend, Case(MIXED), dtype=torch.float16, tolerance=2e-3)
+
+
+@interpreted_only
+def test_interpreted_soft_cap_changes_the_answer(backend):
+    """The soft-cap case is one where capping matters, so matching it is evidence."""
+    capped = build_inputs(CASES["soft-cap"])
+    uncapped = build_inputs(Case(MIXED, query_scale=4.0))
+    difference = (run_backend(backend, capped)[0] - run_backend(backend, uncapped)[0]).abs().max()
+    assert difference > 0.1
+
+
+@interpreted_only
+def test_interpreted_kv_write_skips_negative_slots():
+    from tokenmill_attn_triton.cache_write import write_kv_cache
+
+    key, value = torch.randn(5, 3, 24), torch.randn(5, 3, 24)
+    key_cache, value_cache = torch.zeros(4, 8, 3, 24), torch.zeros(4, 8, 3, 24)
+    slots = torch.tensor([9, -1, 0, 31, -1])
+    write_kv_cache(key, value, key_cache, value_cache, slots)
+    kept = slots >= 0
+    expected_keys = torch.zeros(32, 3, 24).index_copy_(0, slots[kept], key[kept])
+    expected_values = torch.zeros(32, 3, 24).index_copy_(0, slots[kept], value[kept])
+    assert torch.equal(key_cache.view(32, 3, 24), expected_keys)
+    assert torch.equal(value_cache.view(32, 3, 24), expected_values)
+
+
+@interpreted_only
+def test_interpreted_kv_write_reads_strided_tokens():
+    """The new keys arrive as a view of the fused QKV projection: rows are strided."""
+    from tokenmill_attn_triton.cache_write import write_kv_cache
+
+    fused = torch.randn(6, 2 * 2 * 16 + 8)
+    key = fused[:, 8:40].view(6, 2, 16)
+    value = fused[:, 40:].view(6, 2, 16)
+    key_cache, value_cache = torch.zeros(3, 16, 2, 16), torch.zeros(3, 16, 2, 16)
+    slots = torch.tensor([47, 3, 4, 16, 17, 0])
+    write_kv_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.view(48, 2, 16)[slots], key)
+    assert torch.equal(value_cache.view(48, 2, 16)[slots], value)
