@@ -14,32 +14,12 @@ import sys
 
 import pytest
 import torch
-from triton_attention_cases import Case, build_inputs, run_backend, sdpa_reference
+from triton_attention_cases import CASES, MIXED, Case, build_inputs, run_backend, sdpa_reference
 
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-
-MIXED = ((0, 19), (40, 1), (17, 1), (0, 3), (33, 12))  # prompts, decodes, and a chunk after a cached prefix
-CASES = {
-    "prefill-only": Case(((0, 20), (0, 7), (0, 1))),
-    "decode-only": Case(((30, 1), (5, 1), (64, 1), (15, 1))),
-    "mixed": Case(MIXED),
-    "chunked-prefill-after-prefix": Case(((37, 12), (16, 16), (64, 30))),
-    "sliding-window": Case(((40, 9), (50, 1), (0, 20), (3, 1)), sliding_window=8),
-    "sliding-window-wider-than-a-key-tile": Case(((70, 5), (90, 1)), sliding_window=45),
-    "soft-cap": Case(MIXED, soft_cap=5.0, query_scale=4.0),
-    "soft-cap-and-window": Case(MIXED, soft_cap=5.0, query_scale=4.0, sliding_window=10),
-    "gqa-1": Case(MIXED, num_heads=4, num_kv_heads=4),
-    "gqa-2": Case(MIXED, num_heads=4, num_kv_heads=2),
-    "gqa-4": Case(MIXED, num_heads=8, num_kv_heads=2),
-    "gqa-3-padded-group": Case(MIXED, num_heads=6, num_kv_heads=2),
-    "block-size-32": Case(MIXED, block_size=32),
-    "block-size-8": Case(MIXED, block_size=8),
-    "head-size-24": Case(MIXED, head_size=24),
-    "one-request-long-prompt": Case(((0, 70),), num_heads=2, num_kv_heads=1),
-}
 
 
 @pytest.fixture(scope="module")
