@@ -27,6 +27,10 @@ LARGE = {
     "prefill-2x1k-head128": Case(((0, 1024), (0, 700)), num_heads=16, num_kv_heads=16, head_size=128),
     "mixed-head64-block32": Case(((0, 300), (1500, 1), (900, 1), (600, 256), *((200 + i, 1) for i in range(30))),
                                  num_heads=16, num_kv_heads=4, head_size=64, block_size=32),
+    # few long decodes: their keys are split among programs (flash-decoding), chosen per step
+    "decode-1x8k-gqa4-split": Case(((8192, 1),), num_heads=32, num_kv_heads=8, head_size=128),
+    "decode-3-window-split": Case(((6000, 1), (3000, 1), (50, 1)), num_heads=16, num_kv_heads=4, head_size=64,
+                                  sliding_window=2048),
     "window-1k-soft-cap-head256": Case(((3000, 1), (2000, 40), (0, 600)), num_heads=8, num_kv_heads=4,
                                        head_size=256, sliding_window=1024, soft_cap=30.0, query_scale=4.0),
 }
@@ -53,6 +57,13 @@ def _check(backend, case: Case, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_small_cases_match_sdpa(name, dtype, backend):
     _check(backend, CASES[name], dtype)
+
+
+def test_gpu_few_long_decodes_are_split():
+    from tokenmill_attn_triton.backend import decode_splits
+
+    assert decode_splits(8, 8192, torch.device("cuda", 0)) > 1
+    assert decode_splits(64 * 8, 2048, torch.device("cuda", 0)) == 1  # 512 programs already fill the GPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -35,7 +35,8 @@ def test_the_interpreted_cases_pass_under_the_interpreter():
                             "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                            text=True)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    expected = len(CASES) + 4  # the cases, float16, the soft cap's effect, and two KV write cases
+    # the cases, the split decodes, float16, the soft cap's effect, and two KV write cases
+    expected = len(CASES) + len(SPLIT_DECODES) * 2 + 4
     assert f"{expected} passed" in child.stdout, child.stdout[-2000:]
 
 
@@ -53,6 +54,22 @@ def _assert_matches_sdpa(backend, case: Case, dtype: torch.dtype = torch.float32
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreted_attention_matches_sdpa(name, backend):
     _assert_matches_sdpa(backend, CASES[name])
+
+
+SPLIT_DECODES = {
+    "decode": Case(((100, 1), (5, 1), (64, 1), (250, 1))),  # 5 keys over 8 splits: 7 empty shares
+    "decode-window": Case(((100, 1), (300, 1), (7, 1)), sliding_window=40),
+    "decode-soft-cap-gqa4": Case(((100, 1), (130, 1)), num_heads=8, num_kv_heads=2, soft_cap=5.0, query_scale=4.0),
+}
+
+
+@interpreted_only
+@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("name", list(SPLIT_DECODES))
+def test_interpreted_split_decodes_match_sdpa(name, splits):
+    from tokenmill_attn_triton.backend import TritonAttentionBackend
+
+    _assert_matches_sdpa(TritonAttentionBackend(num_splits=splits), SPLIT_DECODES[name])
 
 
 @interpreted_only

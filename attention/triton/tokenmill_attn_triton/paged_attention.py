@@ -12,8 +12,12 @@ softmax in float32. The walk starts at the first key the tile's earliest query m
 through its window and stops after the tile's last query's own position, so a decode
 token reads only its window and a prefill tile never reads keys past its last query.
 
-Not yet: splitting one long sequence's keys over several programs (flash-decoding) for
-small decode batches, and a tuned tile table per GPU.
+With ``num_splits`` > 1 (a third grid axis) each tile's key range is cut into that many
+equal shares of key tiles (flash-decoding: a few long decodes still fill the GPU); each
+program stores its unnormalised sums with their running maximum and total in float32,
+and :func:`_combine_splits` merges them.
+
+Not yet: a tuned tile table per GPU (tile sizes, warps, stages), FP8 KV.
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ NO_WINDOW = 1 << 30
 @triton.jit
 def _paged_attention(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr,
-    tile_request_ptr, tile_offset_ptr,
-    scale, soft_cap, window, head_size,
+    tile_request_ptr, tile_offset_ptr, partial_ptr, partial_max_ptr, partial_total_ptr,
+    scale, soft_cap, window, head_size, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     group: tl.constexpr, group_pad: tl.constexpr, tile_q: tl.constexpr, head_pad: tl.constexpr,
     block_size: tl.constexpr, keys_per_tile: tl.constexpr, use_soft_cap: tl.constexpr, precision: tl.constexpr,
+    num_splits: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     request = tl.load(tile_request_ptr + tile)
     first_query = tl.load(tile_offset_ptr + tile)  # the tile's first token, counted within its request
     query_begin = tl.load(query_start_ptr + request)
@@ -63,6 +69,10 @@ def _paged_attention(
     key_end = tl.minimum(context_len + first_query + tile_q, seq_len)  # after the tile's last query
     key_begin = tl.maximum(context_len + first_query - window + 1, 0)  # the earliest any row's window holds
     key_begin = key_begin // keys_per_tile * keys_per_tile
+    if num_splits > 1:  # this program's share of the key tiles (flash-decoding); a share may be empty
+        tiles_per_split = tl.cdiv(tl.cdiv(key_end - key_begin, keys_per_tile), num_splits)
+        key_begin = key_begin + split * tiles_per_split * keys_per_tile
+        key_end = tl.minimum(key_end, key_begin + tiles_per_split * keys_per_tile)
 
     max_score = tl.full([tile_q * group_pad], -1.0e30, dtype=tl.float32)  # finite: a row with no key stays 0
     total = tl.zeros([tile_q * group_pad], dtype=tl.float32)
@@ -90,9 +100,35 @@ def _paged_attention(
                     + dims[None, :], mask=load_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=precision)
         max_score = new_max
-    acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if num_splits > 1:  # unnormalised, with its running maximum and total: _combine_splits merges them
+        row = (split * num_tokens + query_begin + token) * num_heads + head
+        tl.store(partial_ptr + row[:, None] * head_pad + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(partial_max_ptr + row, max_score, mask=row_valid)
+        tl.store(partial_total_ptr + row, total, mask=row_valid)
+    else:
+        acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _combine_splits(out_ptr, partial_ptr, partial_max_ptr, partial_total_ptr, num_tokens, num_heads, head_size,
+                    stride_ot, stride_oh, num_splits: tl.constexpr, splits_pad: tl.constexpr,
+                    head_pad: tl.constexpr):
+    """One (token, head): the splits' partial sums rescaled to their common maximum."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, splits_pad)
+    used = splits < num_splits
+    rows = (splits * num_tokens + token) * num_heads + head
+    maxima = tl.load(partial_max_ptr + rows, mask=used, other=-1.0e30)
+    totals = tl.load(partial_total_ptr + rows, mask=used, other=0.0)
+    dims = tl.arange(0, head_pad)
+    partials = tl.load(partial_ptr + rows[:, None] * head_pad + dims[None, :], mask=used[:, None], other=0.0)
+    weights = tl.exp2(maxima - tl.max(maxima, 0))  # an empty split: maximum -1e30, total 0, weight 0
+    acc = tl.sum(partials * weights[:, None], 0) / tl.sum(totals * weights, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, acc.to(out_ptr.dtype.element_ty),
+             mask=dims < head_size)
 
 
 def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
@@ -117,25 +153,40 @@ def query_tiles(query_start: np.ndarray, tile_q: int) -> tuple[np.ndarray, np.nd
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                     tile_request: torch.Tensor, tile_offset: torch.Tensor, tile_q: int, group_pad: int,
-                    scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None, soft_cap: float | None,
+                    num_splits: int = 1) -> torch.Tensor:
     """Attend ``query`` [T, H, D] to the paged cache ([blocks, block_size, H_kv, D]) into ``out``.
 
     The tiles come from :func:`query_tiles` with the same ``tile_q``; ``group_pad`` from
-    :func:`tile_shape`. Every tensor's last dimension must be contiguous."""
-    num_heads, head_size = query.shape[1], query.shape[2]
+    :func:`tile_shape`. With ``num_splits`` > 1 each tile's keys are shared among that many
+    programs, whose partial results a second launch combines. Every tensor's last
+    dimension must be contiguous."""
+    num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    grid = (tile_request.numel(), num_kv_heads)
+    grid = (tile_request.numel(), num_kv_heads, num_splits)
     if grid[0] == 0:
         return out
+    head_pad = max(triton.next_power_of_2(head_size), 16)
+    if num_splits > 1:
+        partial = torch.empty(num_splits, num_tokens, num_heads, head_pad, dtype=torch.float32, device=query.device)
+        partial_max = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+        partial_total = torch.empty_like(partial_max)
+    else:
+        partial = partial_max = partial_total = out  # not read
     _paged_attention[grid](
         out, query, key_cache, value_cache, block_table, query_start, seq_lens, tile_request, tile_offset,
-        scale, soft_cap or 1.0, sliding_window or NO_WINDOW, head_size,
+        partial, partial_max, partial_total,
+        scale, soft_cap or 1.0, sliding_window or NO_WINDOW, head_size, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
-        group=num_heads // num_kv_heads, group_pad=group_pad, tile_q=tile_q,
-        head_pad=max(triton.next_power_of_2(head_size), 16), block_size=block_size,
-        keys_per_tile=KEYS_PER_TILE, use_soft_cap=soft_cap is not None,
-        precision="ieee" if query.dtype == torch.float32 else "tf32",
+        group=num_heads // num_kv_heads, group_pad=group_pad, tile_q=tile_q, head_pad=head_pad,
+        block_size=block_size, keys_per_tile=KEYS_PER_TILE, use_soft_cap=soft_cap is not None,
+        precision="ieee" if query.dtype == torch.float32 else "tf32", num_splits=num_splits,
     )
+    if num_splits > 1:
+        _combine_splits[(num_tokens, num_heads)](
+            out, partial, partial_max, partial_total, num_tokens, num_heads, head_size, out.stride(0), out.stride(1),
+            num_splits=num_splits, splits_pad=triton.next_power_of_2(num_splits), head_pad=head_pad,
+        )
     return out
