@@ -14,12 +14,12 @@ from tokenmill.plugin_api import AttentionBackendSpec, hookimpl
 
 TOKENMILL_PLUGIN_API = 1
 
-# Torch names a ROCm GPU "cuda" too; "rocm" covers a platform that names its device so.
-GPU_DEVICE_TYPES = ("cuda", "rocm")
+# Torch addresses a ROCm (HIP) GPU as "cuda" too, and so does the ROCm platform: one entry, both.
+GPU_DEVICE_TYPES = ("cuda",)
 # Head sizes are padded to a power of two inside the kernel; multiples of 8 up to 256 keep
 # the padding small and the tiles within the registers of one program.
 HEAD_SIZES = tuple(range(16, 257, 8))
-PRIORITY = 20  # above the SDPA reference (0) wherever both run
+PRIORITY = 20  # above the SDPA reference (0) wherever both run; a platform may rank it otherwise
 
 
 def interpreting() -> bool:
