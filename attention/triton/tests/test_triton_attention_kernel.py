@@ -74,7 +74,8 @@ def test_interpreted_split_decodes_match_sdpa(name, splits):
 
 @interpreted_only
 def test_interpreted_float16_matches_sdpa_in_float32(backend):
-    # (bfloat16 is checked on the GPU: numpy, under the interpreter, has no bfloat16)
+    # bfloat16 is checked on the GPU: under the interpreter tl.dot on bfloat16 inputs returns garbage
+    # (numpy has no bfloat16; a 16x16 product is off by 1e10 there)
     _assert_matches_sdpa(backend, Case(MIXED), dtype=torch.float16, tolerance=2e-3)
 
 
