@@ -44,6 +44,8 @@ CASES = {
     "block-size-32": Case(MIXED, block_size=32),
     "block-size-8": Case(MIXED, block_size=8),
     "head-size-24": Case(MIXED, head_size=24),
+    "head-size-160-narrow-prefill-tiles": Case(((0, 40), (20, 1), (5, 17)), num_heads=2, num_kv_heads=1,
+                                               head_size=160),
     "one-request-long-prompt": Case(((0, 70),), num_heads=2, num_kv_heads=1),
 }
 

@@ -62,7 +62,8 @@ class TritonAttentionBackend:
         write_kv_cache(_last_dim_contiguous(key), _last_dim_contiguous(value), key_cache, value_cache,
                        metadata.slot_mapping)
         step: TritonStepData = metadata.backend_data
-        tile_q, group_pad = tile_shape(layer.num_heads // layer.num_kv_heads, metadata.max_query_len)
+        tile_q, group_pad = tile_shape(layer.num_heads // layer.num_kv_heads, metadata.max_query_len,
+                                     layer.head_size)
         tile_request, tile_offset = step.tiles_of(tile_q)
         query = _last_dim_contiguous(query)
         out = query.new_empty(query.shape)  # contiguous: the layer views it as [T, H * D]

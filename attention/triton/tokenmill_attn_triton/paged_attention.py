@@ -30,6 +30,7 @@ import triton.language as tl
 KEYS_PER_TILE = 32
 DECODE_ROWS = 16  # rows of a tile when every query is one token (tl.dot needs 16)
 PREFILL_ROWS = 64
+WIDE_HEAD_PREFILL_ROWS = 32  # head sizes above 128: a 64-row float32 accumulator would spill registers
 NO_WINDOW = 1 << 30
 
 
@@ -131,11 +132,14 @@ def _combine_splits(out_ptr, partial_ptr, partial_max_ptr, partial_total_ptr, nu
              mask=dims < head_size)
 
 
-def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+def tile_shape(group: int, max_query_len: int, head_size: int) -> tuple[int, int]:
     """``(tile_q, group_pad)``: tokens per query tile and the padded query heads per KV head.
     Rows are ``tile_q * group_pad``, at least 16 (``tl.dot``'s smallest tile)."""
     group_pad = triton.next_power_of_2(group)
-    rows = DECODE_ROWS if max_query_len == 1 else PREFILL_ROWS
+    if max_query_len == 1:
+        rows = DECODE_ROWS
+    else:
+        rows = PREFILL_ROWS if head_size <= 128 else WIDE_HEAD_PREFILL_ROWS
     return max(rows // group_pad, 1), group_pad
 
 
