@@ -22,9 +22,14 @@ import torch
 from tokenmill.layers import Attention
 from tokenmill.plugin_api import AttentionMetadata, KVCache
 from tokenmill_attn_triton.cache_write import write_kv_cache
-from tokenmill_attn_triton.paged_attention import KEYS_PER_TILE, paged_attention, query_tiles, tile_shape
+from tokenmill_attn_triton.paged_attention import (
+    KEYS_PER_TILE,
+    MAX_SPLITS,
+    paged_attention,
+    query_tiles,
+    tile_shape,
+)
 
-MAX_SPLITS = 32
 MIN_KEY_TILES_PER_SPLIT = 4  # below this a split's fixed cost (its query load, the combine) dominates
 
 

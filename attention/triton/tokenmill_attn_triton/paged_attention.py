@@ -32,6 +32,9 @@ DECODE_ROWS = 16  # rows of a tile when every query is one token (tl.dot needs 1
 PREFILL_ROWS = 64
 WIDE_HEAD_PREFILL_ROWS = 32  # head sizes above 128: a 64-row float32 accumulator would spill registers
 NO_WINDOW = 1 << 30
+# The split count is a run-time argument (it follows the step's longest sequence, and a
+# compile-time one would compile a kernel per count); the combine pads to this many.
+MAX_SPLITS = 32  # a power of two
 
 
 @triton.jit
@@ -40,10 +43,10 @@ def _paged_attention(
     tile_request_ptr, tile_offset_ptr, partial_ptr, partial_max_ptr, partial_total_ptr,
     scale, soft_cap, window, head_size, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
     group: tl.constexpr, group_pad: tl.constexpr, tile_q: tl.constexpr, head_pad: tl.constexpr,
     block_size: tl.constexpr, keys_per_tile: tl.constexpr, use_soft_cap: tl.constexpr, precision: tl.constexpr,
-    num_splits: tl.constexpr,
+    split_keys: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,7 +73,7 @@ def _paged_attention(
     key_end = tl.minimum(context_len + first_query + tile_q, seq_len)  # after the tile's last query
     key_begin = tl.maximum(context_len + first_query - window + 1, 0)  # the earliest any row's window holds
     key_begin = key_begin // keys_per_tile * keys_per_tile
-    if num_splits > 1:  # this program's share of the key tiles (flash-decoding); a share may be empty
+    if split_keys:  # this program's share of the key tiles (flash-decoding); a share may be empty
         tiles_per_split = tl.cdiv(tl.cdiv(key_end - key_begin, keys_per_tile), num_splits)
         key_begin = key_begin + split * tiles_per_split * keys_per_tile
         key_end = tl.minimum(key_end, key_begin + tiles_per_split * keys_per_tile)
@@ -101,7 +104,7 @@ def _paged_attention(
                     + dims[None, :], mask=load_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=precision)
         max_score = new_max
-    if num_splits > 1:  # unnormalised, with its running maximum and total: _combine_splits merges them
+    if split_keys:  # unnormalised, with its running maximum and total: _combine_splits merges them
         row = (split * num_tokens + query_begin + token) * num_heads + head
         tl.store(partial_ptr + row[:, None] * head_pad + dims[None, :], acc, mask=row_valid[:, None])
         tl.store(partial_max_ptr + row, max_score, mask=row_valid)
@@ -114,8 +117,7 @@ def _paged_attention(
 
 @triton.jit
 def _combine_splits(out_ptr, partial_ptr, partial_max_ptr, partial_total_ptr, num_tokens, num_heads, head_size,
-                    stride_ot, stride_oh, num_splits: tl.constexpr, splits_pad: tl.constexpr,
-                    head_pad: tl.constexpr):
+                    stride_ot, stride_oh, num_splits, splits_pad: tl.constexpr, head_pad: tl.constexpr):
     """One (token, head): the splits' partial sums rescaled to their common maximum."""
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -170,6 +172,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     grid = (tile_request.numel(), num_kv_heads, num_splits)
     if grid[0] == 0:
         return out
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be 1 to {MAX_SPLITS}, not {num_splits}")
     head_pad = max(triton.next_power_of_2(head_size), 16)
     if num_splits > 1:
         partial = torch.empty(num_splits, num_tokens, num_heads, head_pad, dtype=torch.float32, device=query.device)
@@ -183,14 +187,14 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         scale, soft_cap or 1.0, sliding_window or NO_WINDOW, head_size, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0), num_splits,
         group=num_heads // num_kv_heads, group_pad=group_pad, tile_q=tile_q, head_pad=head_pad,
         block_size=block_size, keys_per_tile=KEYS_PER_TILE, use_soft_cap=soft_cap is not None,
-        precision="ieee" if query.dtype == torch.float32 else "tf32", num_splits=num_splits,
+        precision="ieee" if query.dtype == torch.float32 else "tf32", split_keys=num_splits > 1,
     )
     if num_splits > 1:
         _combine_splits[(num_tokens, num_heads)](
             out, partial, partial_max, partial_total, num_tokens, num_heads, head_size, out.stride(0), out.stride(1),
-            num_splits=num_splits, splits_pad=triton.next_power_of_2(num_splits), head_pad=head_pad,
+            num_splits, splits_pad=MAX_SPLITS, head_pad=head_pad,
         )
     return out
