@@ -190,7 +190,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0), num_splits,
         group=num_heads // num_kv_heads, group_pad=group_pad, tile_q=tile_q, head_pad=head_pad,
         block_size=block_size, keys_per_tile=KEYS_PER_TILE, use_soft_cap=soft_cap is not None,
-        precision="ieee" if query.dtype == torch.float32 else "tf32", split_keys=num_splits > 1,
+        # float32: IEEE products (TF32 would change greedy tokens); else the target's default, as
+        # "tf32" is not a precision every AMD target accepts
+        precision="ieee" if query.dtype == torch.float32 else None, split_keys=num_splits > 1,
     )
     if num_splits > 1:
         _combine_splits[(num_tokens, num_heads)](
