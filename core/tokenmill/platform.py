@@ -8,14 +8,16 @@ torch.distributed backend name (:class:`Platform`).
 What only some platforms can do is an optional capability, one small
 ``runtime_checkable`` protocol each, which the core tests with ``isinstance``
 and does without where it is missing: :class:`ThreadAffine`,
-:class:`KVCacheAllocator`, :class:`KVCachePrefault` and
-:class:`StepGraphCapture`. The ``platform_*`` functions below are those tests,
+:class:`KVCacheAllocator`, :class:`KVCachePrefault`,
+:class:`StepGraphCapture` and :class:`KernelFeatures`. The ``platform_*`` functions below are those tests,
 with the fallback, so a caller never probes attributes itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -23,6 +25,8 @@ import torch
 
 from tokenmill.errors import PluginError
 from tokenmill.plugins.specs import resolve_qualname
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -90,6 +94,19 @@ class DevicePerRank(Protocol):
     def device_count(self) -> int: ...
 
 
+@runtime_checkable
+class KernelFeatures(Protocol):
+    """What the platform tells the attention and quantization selectors about its kernels:
+    the device's NVIDIA compute capability (``(9, 0)`` on an H100/H200; None where the
+    numbers mean nothing, ROCm's and XPU's) and the priority each attention backend takes
+    on it (``{"triton": 30}`` on ROCm), overriding the spec's own ``priority``
+    (tokenmill.attention.selection)."""
+
+    def compute_capability(self) -> tuple[int, int] | None: ...
+
+    def attention_priorities(self) -> Mapping[str, int]: ...
+
+
 class StepGraphUnsupported(Exception):
     """The platform cannot capture this forward (it names the reason); the step runs eagerly."""
 
@@ -143,12 +160,26 @@ def platform_step_graph_capture(platform: Platform) -> StepGraphCapture | None:
     return platform if isinstance(platform, StepGraphCapture) else None
 
 
+PLATFORM_ENV = "TOKENMILL_PLATFORM"
+
+
 def detect_platform(plugins: PluginManager) -> Platform:
-    """Instantiate the available platform of highest priority."""
+    """Instantiate the available platform of highest priority, or the one ``$TOKENMILL_PLATFORM``
+    names (an error naming those that can run here when it cannot). A platform plugin whose
+    device is absent answers None (and logs that it steps aside)."""
     found = [r.value for r in plugins.collect("tokenmill_detect_platform")]
     if not found:
         raise PluginError("no platform plugin found; install tokenmill-platform-cpu (pip install tokenmill)")
-    best = max(found, key=lambda spec: spec.priority)
+    forced = os.environ.get(PLATFORM_ENV)
+    if forced:
+        chosen = [spec for spec in found if spec.name == forced]
+        if not chosen:
+            raise PluginError(f"{PLATFORM_ENV}={forced!r}: that platform cannot run here (not installed, or "
+                              f"its device is absent); the ones that can: {sorted(spec.name for spec in found)}")
+        best = chosen[0]
+    else:
+        best = max(found, key=lambda spec: spec.priority)
+    logger.debug("platform %s chosen among %s", best.name, [spec.name for spec in found])
     return resolve_qualname(best.qualname)()
 
 

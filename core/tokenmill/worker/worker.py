@@ -123,6 +123,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         sliding_window=any(layer.sliding_window for layer in layers),
         preferred=config.attention_backend,
         logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
+        block_size=config.block_size,
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
     lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None

@@ -4,10 +4,17 @@ cache sized from free device memory times ``gpu_memory_utilization``."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
 from tokenmill.plugin_api import EngineConfig
+
+# FlashAttention first where its compute capability and block size allow, then FlashInfer, then
+# the portable Triton kernel; SDPA (the reference) last. Backends not named keep their own priority.
+CUDA_ATTENTION_PRIORITIES: Mapping[str, int] = MappingProxyType(
+    {"flash-attn": 40, "flashinfer": 30, "triton": 20, "sdpa": 0})
 
 
 class CudaPlatform:
@@ -48,3 +55,12 @@ class CudaPlatform:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
+
+    # -- KernelFeatures: what the attention and quantization selectors are told --
+
+    def compute_capability(self) -> tuple[int, int] | None:
+        major, minor = torch.cuda.get_device_capability(self.device_index)
+        return (major, minor)
+
+    def attention_priorities(self) -> Mapping[str, int]:
+        return CUDA_ATTENTION_PRIORITIES
