@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tokenmill_platform_cuda.platform import CUDA_ATTENTION_PRIORITIES
 from tokenmill_platform_rocm.platform import ROCM_ATTENTION_PRIORITIES
 from tokenmill_platform_xpu.platform import XPU_ATTENTION_PRIORITIES
 
@@ -15,6 +14,7 @@ from tokenmill import LLM, PluginError
 from tokenmill.attention import AttentionRequirements, build_attention_backend
 from tokenmill.attention.selection import DeviceDescription, choose_and_build, log_selection, rank_backends
 from tokenmill.plugins import get_plugin_manager
+from tokenmill_platform_cuda.platform import CUDA_ATTENTION_PRIORITIES
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +155,17 @@ def test_the_engine_logs_its_choice(llama_path, caplog):
         LLM(str(llama_path), dtype="float16", max_model_len=64, kv_cache_memory="8MiB")
     lines = [r.getMessage() for r in caplog.records if "chosen" in r.getMessage()]
     assert lines == ["attention backend sdpa chosen; passed over: cpu-paged: no float16 (takes float32, bfloat16)"]
+
+
+def test_plugins_command_shows_the_order_on_this_machine():
+    from typer.testing import CliRunner
+
+    from tokenmill_cli.main import app
+
+    result = CliRunner().invoke(app, ["plugins", "--dtype", "float16", "--head-size", "64"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    table = result.output[result.output.index("attention backends on cpu (float16, head size 64)"):]
+    rows = [line for line in table.splitlines() if "│" in line]
+    assert "sdpa" in rows[-1] and rows[-1].split("│")[1].strip() == "1"  # the only one that runs float16 here
+    cpu_paged = next(row for row in rows if "cpu-paged" in row)
+    assert "no float16" in cpu_paged
