@@ -1,16 +1,20 @@
 """The platform interface and how the engine picks one.
 
 Each platform plugin answers ``tokenmill_detect_platform`` when its device is
-present; the available platform of highest priority wins. A platform object is
-small: a device, a default dtype, a KV-cache budget, a thread set-up and the
-torch.distributed backend name (:class:`Platform`).
+present (and logs that it steps aside when not); the available platform of
+highest priority wins, or the one ``$TOKENMILL_PLATFORM`` names. A platform
+object is small, three protocols every platform has (:class:`Platform`):
+device and memory (:class:`DeviceAndMemory`), dtype defaults
+(:class:`DtypeDefaults`) and the communication backend
+(:class:`CommunicationBackend`).
 
 What only some platforms can do is an optional capability, one small
 ``runtime_checkable`` protocol each, which the core tests with ``isinstance``
 and does without where it is missing: :class:`ThreadAffine`,
-:class:`KVCacheAllocator`, :class:`KVCachePrefault`,
-:class:`StepGraphCapture` and :class:`KernelFeatures`. The ``platform_*`` functions below are those tests,
-with the fallback, so a caller never probes attributes itself.
+:class:`KVCacheAllocator`, :class:`KVCachePrefault`, :class:`StepGraphCapture`
+(graph capture) and :class:`KernelFeatures` (compute capability, attention
+priorities). The ``platform_*`` functions below are those tests, with the
+fallback, so a caller never probes attributes itself.
 """
 
 from __future__ import annotations
@@ -33,14 +37,12 @@ if TYPE_CHECKING:
     from tokenmill.plugins.manager import PluginManager
 
 
-class Platform(Protocol):
-    name: str
+class DeviceAndMemory(Protocol):
+    """The device the model runs on and how much of its memory the KV cache may take."""
+
     device_type: str
-    dist_backend: str
 
     def device(self) -> torch.device: ...
-
-    def default_dtype(self) -> torch.dtype: ...
 
     def configure_process(self, config: EngineConfig) -> None:
         """Per-process set-up before the model is built (threads, device selection)."""
@@ -51,6 +53,26 @@ class Platform(Protocol):
         ...
 
     def synchronize(self) -> None: ...
+
+
+class DtypeDefaults(Protocol):
+    """The dtype ``dtype="auto"`` means on this platform (bfloat16 on GPUs, float32 on the CPU)."""
+
+    def default_dtype(self) -> torch.dtype: ...
+
+
+class CommunicationBackend(Protocol):
+    """The torch.distributed backend its ranks talk through (gloo, nccl — RCCL on ROCm —, xccl)."""
+
+    dist_backend: str
+
+
+class Platform(DeviceAndMemory, DtypeDefaults, CommunicationBackend, Protocol):
+    """What every platform has: a name, and the three small protocols above. Graph capture
+    (:class:`StepGraphCapture`), kernel features (:class:`KernelFeatures`) and the rest
+    below are optional capabilities."""
+
+    name: str
 
 
 # -- optional capabilities ------------------------------------------------------

@@ -41,8 +41,12 @@ if TYPE_CHECKING:
     from tokenmill.executor import Executor, UniProcExecutor
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
+        CommunicationBackend,
+        DeviceAndMemory,
         DeviceKVAllocator,
         DevicePerRank,
+        DtypeDefaults,
+        KernelFeatures,
         KVCacheAllocator,
         KVCachePrefault,
         Platform,
@@ -87,7 +91,8 @@ _LAZY = {
     "Worker": "tokenmill.worker.worker",
     **dict.fromkeys(["Checkpoint", "WeightsIterator"], "tokenmill.model_loader.checkpoint"),
     **dict.fromkeys(["DeviceKVAllocator", "DevicePerRank", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
-                     "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine"], "tokenmill.platform"),
+                     "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine", "CommunicationBackend",
+                     "DeviceAndMemory", "DtypeDefaults", "KernelFeatures"], "tokenmill.platform"),
     **dict.fromkeys(["PluginManager", "get_plugin_manager"], "tokenmill.plugins.manager"),
     **dict.fromkeys(["SamplingKernels", "register_sampling_kernels"], "tokenmill.sample.kernels"),
     **dict.fromkeys(["GrammarMatcher", "StructuredOutputBackend"], "tokenmill.structured_output.backend"),
@@ -130,8 +135,12 @@ __all__ = [
     "EngineConfig",
     "parse_size",
     # platforms and their optional capabilities
+    "CommunicationBackend",
+    "DeviceAndMemory",
     "DeviceKVAllocator",
     "DevicePerRank",
+    "DtypeDefaults",
+    "KernelFeatures",
     "KVCacheAllocator",
     "KVCachePrefault",
     "Platform",
