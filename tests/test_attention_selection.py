@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from tokenmill_platform_rocm.platform import ROCM_ATTENTION_PRIORITIES
 from tokenmill_platform_xpu.platform import XPU_ATTENTION_PRIORITIES
 
@@ -145,11 +146,17 @@ def test_forcing_a_backend_that_cannot_run_here_lists_those_that_can(specs):
                          lambda spec: build_attention_backend(spec))
 
 
+ON_CPU = not torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="the CPU platform's choices; a GPU machine detects its GPU")
+
+
+@cpu_only
 def test_the_engine_refuses_a_forced_gpu_backend_on_the_cpu(llama_path):
     with pytest.raises(PluginError, match="the ones that can: cpu-paged, sdpa"):
         LLM(str(llama_path), max_model_len=64, kv_cache_memory="8MiB", attention_backend="flashinfer")
 
 
+@cpu_only
 def test_the_engine_logs_its_choice(llama_path, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill.attention.selection"):
         LLM(str(llama_path), dtype="float16", max_model_len=64, kv_cache_memory="8MiB")
@@ -157,6 +164,7 @@ def test_the_engine_logs_its_choice(llama_path, caplog):
     assert lines == ["attention backend sdpa chosen; passed over: cpu-paged: no float16 (takes float32, bfloat16)"]
 
 
+@cpu_only
 def test_plugins_command_shows_the_order_on_this_machine():
     from typer.testing import CliRunner
 
@@ -169,3 +177,16 @@ def test_plugins_command_shows_the_order_on_this_machine():
     assert "sdpa" in rows[-1] and rows[-1].split("│")[1].strip() == "1"  # the only one that runs float16 here
     cpu_paged = next(row for row in rows if "cpu-paged" in row)
     assert "no float16" in cpu_paged
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(ON_CPU, reason="needs a CUDA GPU")
+def test_the_engine_on_a_gpu_logs_why_flash_attention_was_passed_over(llama_path, caplog):
+    """16-token blocks (the default) are below FlashAttention 2's paged minimum on any GPU."""
+    from worker_probe import attention_backend
+
+    with caplog.at_level(logging.INFO, logger="tokenmill.attention.selection"):
+        llm = LLM(str(llama_path), max_model_len=64, kv_cache_memory="64MiB")
+    line = next(r.getMessage() for r in caplog.records if "chosen" in r.getMessage())
+    assert "flash-attn: block size 16 is not a multiple of 256" in line
+    assert line.startswith(f"attention backend {attention_backend(llm)} chosen")
