@@ -12,8 +12,8 @@ What only some platforms can do is an optional capability, one small
 ``runtime_checkable`` protocol each, which the core tests with ``isinstance``
 and does without where it is missing: :class:`ThreadAffine`,
 :class:`KVCacheAllocator`, :class:`KVCachePrefault`, :class:`StepGraphCapture`
-(graph capture) and :class:`KernelFeatures` (compute capability, attention
-priorities). The ``platform_*`` functions below are those tests, with the
+(graph capture), :class:`KernelFeatures` (compute capability, attention
+priorities) and :class:`ActivationProfiling`. The ``platform_*`` functions below are those tests, with the
 fallback, so a caller never probes attributes itself.
 """
 
@@ -127,6 +127,19 @@ class KernelFeatures(Protocol):
     def compute_capability(self) -> tuple[int, int] | None: ...
 
     def attention_priorities(self) -> Mapping[str, int]: ...
+
+
+@runtime_checkable
+class ActivationProfiling(Protocol):
+    """The platform sizes the KV cache from what a step leaves of the device, so it needs the
+    largest step's activation memory first: the worker hands it that step as ``run``
+    (tokenmill.worker.memory_profile) and ``measure_peak_bytes`` returns the peak memory
+    ``run`` allocated beyond what was held before; ``kv_cache_bytes_after_profile`` is then
+    asked instead of ``kv_cache_bytes``. Not asked when ``kv_cache_memory`` is set."""
+
+    def measure_peak_bytes(self, run: Callable[[], object]) -> int: ...
+
+    def kv_cache_bytes_after_profile(self, config: EngineConfig, activation_bytes: int) -> int: ...
 
 
 class StepGraphUnsupported(Exception):

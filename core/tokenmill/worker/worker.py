@@ -24,6 +24,7 @@ from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
 from tokenmill.platform import (
+    ActivationProfiling,
     Platform,
     detect_platform,
     platform_kv_allocator,
@@ -34,6 +35,7 @@ from tokenmill.plugins.manager import PluginManager
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
+from tokenmill.worker.memory_profile import profile_forward
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_groups import parallel_groups
@@ -80,8 +82,13 @@ class Worker:
         return self.runner.kv_bytes_per_block()
 
     def kv_cache_budget(self) -> int:
-        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded."""
-        return self.platform.kv_cache_bytes(self.spec.config)
+        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded
+        (and, on a platform that profiles, after the largest step ran once)."""
+        config = self.spec.config
+        if isinstance(self.platform, ActivationProfiling) and config.kv_cache_memory is None:
+            peak = self.platform.measure_peak_bytes(profile_forward(self.runner, config.max_num_batched_tokens))
+            return self.platform.kv_cache_bytes_after_profile(config, peak)
+        return self.platform.kv_cache_bytes(config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.

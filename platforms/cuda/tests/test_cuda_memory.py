@@ -71,3 +71,18 @@ def test_a_captured_graph_replays_new_inputs():
     x.fill_(2.0)
     graph.replay()
     assert out.tolist() == (2 * weight + 1).tolist()
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_profiled_peak_counts_what_the_step_allocated():
+    from tokenmill_platform_cuda.platform import CudaPlatform
+
+    platform = CudaPlatform(device_index=0)
+    size = 64 << 20
+
+    def step() -> None:
+        scratch = torch.empty(size, dtype=torch.uint8, device="cuda")
+        scratch.fill_(1)
+
+    assert platform.measure_peak_bytes(step) >= size

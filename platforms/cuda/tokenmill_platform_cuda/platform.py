@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.plugin_api import EngineConfig, StepGraph
 from tokenmill_platform_cuda import graphs
-from tokenmill_platform_cuda.memory import baseline_free, kv_cache_budget, read_device_memory
+from tokenmill_platform_cuda.memory import ACTIVATION_MARGIN, baseline_free, kv_cache_budget, read_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,30 @@ class CudaPlatform:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
+
+    # -- ActivationProfiling: the largest step's peak, then the KV cache from what is left --
+
+    def measure_peak_bytes(self, run: Callable[[], object]) -> int:
+        """Peak bytes ``run`` allocated beyond what was allocated before; the allocator's cache
+        is emptied afterwards, so that what it reserved for the step is not counted twice."""
+        torch.cuda.synchronize(self.device_index)
+        torch.cuda.reset_peak_memory_stats(self.device_index)
+        before = torch.cuda.memory_allocated(self.device_index)
+        run()
+        torch.cuda.synchronize(self.device_index)
+        peak = torch.cuda.max_memory_allocated(self.device_index) - before
+        torch.cuda.empty_cache()
+        logger.info("largest step's activations: %.1f MiB", peak / (1 << 20))
+        return peak
+
+    def kv_cache_bytes_after_profile(self, config: EngineConfig, activation_bytes: int) -> int:
+        memory = read_device_memory(self.device_index)
+        budget = kv_cache_budget(memory, config.gpu_memory_utilization, activation_bytes + ACTIVATION_MARGIN)
+        logger.info("KV cache budget %.2f GiB: %.0f%% of %.2f GiB less %.2f GiB this process holds and "
+                    "%.2f GiB for activations and graphs", budget / (1 << 30), config.gpu_memory_utilization * 100,
+                    memory.total / (1 << 30), (memory.torch_reserved + memory.non_torch) / (1 << 30),
+                    (activation_bytes + ACTIVATION_MARGIN) / (1 << 30))
+        return budget
 
     # -- StepGraphCapture: CUDA graphs for decode batches (tokenmill_platform_cuda.graphs) --
 
