@@ -34,6 +34,10 @@ def cuda(major: int, minor: int) -> DeviceDescription:
     return DeviceDescription("cuda", "cuda", (major, minor), CUDA_ATTENTION_PRIORITIES)
 
 
+ON_CPU = not torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="what a CPU-only machine has and lacks")
+
+
 ROCM = DeviceDescription("rocm", "cuda", None, ROCM_ATTENTION_PRIORITIES)
 XPU = DeviceDescription("xpu", "xpu", None, XPU_ATTENTION_PRIORITIES)
 CPU = DeviceDescription("cpu", "cpu")
@@ -110,6 +114,7 @@ def _first_runnable(candidates):
     return candidates[0].name if candidates else None
 
 
+@cpu_only
 def test_backends_that_cannot_import_are_passed_over_with_the_error(specs):
     """On an H200 description with 256-token blocks the engine tries flash-attn and flashinfer
     for real: neither library is installed here (or, for flashinfer, there is no CUDA device), so
@@ -144,10 +149,6 @@ def test_forcing_a_backend_that_cannot_run_here_lists_those_that_can(specs):
                                           r"the ones that can: cpu-paged, sdpa"):
         choose_and_build(rank_backends(specs, request, CPU), request, CPU, _first_runnable,
                          lambda spec: build_attention_backend(spec))
-
-
-ON_CPU = not torch.cuda.is_available()
-cpu_only = pytest.mark.skipif(not ON_CPU, reason="the CPU platform's choices; a GPU machine detects its GPU")
 
 
 @cpu_only
