@@ -34,10 +34,12 @@ def test_rocm_reports_no_nvidia_capability_and_prefers_triton():
 
 @pytest.mark.rocm
 @pytest.mark.skipif(not ON_ROCM, reason="needs a ROCm GPU")
-def test_engine_runs_on_rocm(llama_path):
+def test_engine_runs_on_rocm(tmp_path):
+    from tiny_models import build_model
+
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="64MiB")
+    llm = LLM(str(build_model(tmp_path, "llama")), dtype="float32", max_model_len=64, kv_cache_memory="64MiB")
     assert llm.engine.model_info.device_type == "cuda"
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -41,10 +41,12 @@ def test_a_mismatched_or_missing_ipex_is_never_imported():
 
 @pytest.mark.xpu
 @pytest.mark.skipif(not ON_XPU, reason="needs an Intel XPU")
-def test_engine_runs_on_xpu(llama_path):
+def test_engine_runs_on_xpu(tmp_path):
+    from tiny_models import build_model
+
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, kv_cache_memory="64MiB")
+    llm = LLM(str(build_model(tmp_path, "llama")), dtype="float32", max_model_len=64, kv_cache_memory="64MiB")
     assert llm.engine.model_info.device_type == "xpu"
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
