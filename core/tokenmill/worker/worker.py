@@ -8,6 +8,7 @@ methods are what an executor may call by name on every worker.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -43,6 +44,7 @@ from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import StepGraphCapture
 
+logger = logging.getLogger(__name__)
 
 class Worker:
     """One rank. A worker in a process of its own is built from the spec alone: it loads the
@@ -86,8 +88,12 @@ class Worker:
         (and, on a platform that profiles, after the largest step ran once)."""
         config = self.spec.config
         if isinstance(self.platform, ActivationProfiling) and config.kv_cache_memory is None:
-            peak = self.platform.measure_peak_bytes(profile_forward(self.runner, config.max_num_batched_tokens))
-            return self.platform.kv_cache_bytes_after_profile(config, peak)
+            try:
+                peak = self.platform.measure_peak_bytes(profile_forward(self.runner, config.max_num_batched_tokens))
+            except Exception as exc:  # a model the dummy step does not fit: size without it
+                logger.warning("could not profile the largest step (%s); sizing the KV cache without it", exc)
+            else:
+                return self.platform.kv_cache_bytes_after_profile(config, peak)
         return self.platform.kv_cache_bytes(config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
