@@ -144,7 +144,7 @@ def choose_and_build(ranked: list[RankedBackend], needs: AttentionRequirements, 
     while True:
         candidates = [s for s in runnable if s.name not in failed]
         name = choose(candidates)
-        if name is None or name not in by_name:
+        if name is None or name not in by_name or name in failed:  # (a hook insisting on a failed one)
             tried = "; ".join(f"{n}: {why}" for n, why in failed.items())
             raise PluginError(f"no installed attention backend supports {needs} on {device.platform}"
                               f"{' (failed: ' + tried + ')' if tried else ''}; registered: {sorted(by_name)}")
