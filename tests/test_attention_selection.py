@@ -191,3 +191,20 @@ def test_the_engine_on_a_gpu_logs_why_flash_attention_was_passed_over(llama_path
     line = next(r.getMessage() for r in caplog.records if "chosen" in r.getMessage())
     assert "flash-attn: block size 16 is not a multiple of 256" in line
     assert line.startswith(f"attention backend {attention_backend(llm)} chosen")
+
+
+@cpu_only
+def test_plugins_command_takes_the_order_for_a_model_folder(tmp_path):
+    """Gemma 2 soft-caps its scores: for it the CPU's paged kernel is out of the order."""
+    from family_models import build_family_model
+    from typer.testing import CliRunner
+
+    from tokenmill_cli.main import app
+
+    gemma2 = build_family_model(tmp_path, "gemma2")
+    result = CliRunner().invoke(app, ["plugins", "--dtype", "float32", "--model", str(gemma2)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    table = result.output[result.output.index("attention backends on cpu (float32"):]
+    cpu_paged = next(row for row in table.splitlines() if "cpu-paged" in row)
+    assert "cannot soft-cap attention scores" in cpu_paged

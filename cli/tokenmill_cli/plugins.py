@@ -17,6 +17,8 @@ def list_plugins(
     strict: Annotated[bool, typer.Option("--strict-plugins", help="Fail when a plugin cannot be loaded")] = False,
     head_size: Annotated[int, typer.Option(help="The model's head size, for the attention backends' order")] = 128,
     dtype: Annotated[str, typer.Option(help="The model's dtype for that order ('auto': the platform's)")] = "auto",
+    model: Annotated[str | None, typer.Option(help="A model folder: its head size, sliding window and soft cap "
+                                                   "set that order (instead of --head-size)")] = None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -39,7 +41,7 @@ def list_plugins(
     console = Console(width=160)
     console.print(table)
     console.print(_hooks_table(manager))
-    console.print(_attention_order_table(manager, head_size, dtype))
+    console.print(_attention_order_table(manager, dtype, *_attention_needs_of(model, head_size)))
     for failure in manager.failures:
         console.print(f"[red]failed[/red] {failure.info.label}: {failure.error}")
 
@@ -65,7 +67,20 @@ def _hooks_table(manager: Any) -> Any:
     return table
 
 
-def _attention_order_table(manager: Any, head_size: int, dtype: str) -> Any:
+def _attention_needs_of(model: str | None, head_size: int) -> tuple[int, bool, bool]:
+    """``(head size, sliding window, soft cap)`` of the model folder's config.json, or the defaults."""
+    if model is None:
+        return head_size, False, False
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(size), bool(getattr(config, "sliding_window", None)), \
+        getattr(config, "attn_logit_softcapping", None) is not None
+
+
+def _attention_order_table(manager: Any, dtype: str, head_size: int, sliding_window: bool = False,
+                           logits_soft_cap: bool = False) -> Any:
     """The attention backends in the order the engine would try them on this machine's platform."""
     from rich.table import Table
 
@@ -77,7 +92,7 @@ def _attention_order_table(manager: Any, head_size: int, dtype: str) -> Any:
     device = describe_device(platform)
     dtype_name = str(resolve_dtype(dtype, platform)).removeprefix("torch.")
     needs = AttentionRequirements(device_type=device.device_type, dtype=dtype_name, head_size=head_size,
-                                  sliding_window=False)
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     specs = [spec for _, spec in manager.collect_named("tokenmill_register_attention_backends",
                                                        platform=platform).values()]
     capability = "" if device.compute_capability is None else f", compute capability {device.compute_capability}"
