@@ -15,6 +15,10 @@ _REGISTRATION_ARGS = frozenset({"platform"})
 
 def list_plugins(
     strict: Annotated[bool, typer.Option("--strict-plugins", help="Fail when a plugin cannot be loaded")] = False,
+    head_size: Annotated[int, typer.Option(help="The model's head size, for the attention backends' order")] = 128,
+    dtype: Annotated[str, typer.Option(help="The model's dtype for that order ('auto': the platform's)")] = "auto",
+    model: Annotated[str | None, typer.Option(help="A model folder: its head size, sliding window and soft cap "
+                                                   "set that order (instead of --head-size)")] = None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -37,6 +41,7 @@ def list_plugins(
     console = Console(width=160)
     console.print(table)
     console.print(_hooks_table(manager))
+    console.print(_attention_order_table(manager, dtype, *_attention_needs_of(model, head_size)))
     for failure in manager.failures:
         console.print(f"[red]failed[/red] {failure.info.label}: {failure.error}")
 
@@ -59,6 +64,46 @@ def _hooks_table(manager: Any) -> Any:
         kind = "firstresult" if caller.spec.opts.get("firstresult") else "collect"
         note = f"experimental: {NOT_CALLED}" if is_experimental(hook) else ""
         table.add_row(hook, kind, ", ".join(caller.spec.argnames), str(len(caller.get_hookimpls())), note)
+    return table
+
+
+def _attention_needs_of(model: str | None, head_size: int) -> tuple[int, bool, bool]:
+    """``(head size, sliding window, soft cap)`` of the model folder's config.json, or the defaults."""
+    if model is None:
+        return head_size, False, False
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(size), bool(getattr(config, "sliding_window", None)), \
+        getattr(config, "attn_logit_softcapping", None) is not None
+
+
+def _attention_order_table(manager: Any, dtype: str, head_size: int, sliding_window: bool = False,
+                           logits_soft_cap: bool = False) -> Any:
+    """The attention backends in the order the engine would try them on this machine's platform."""
+    from rich.table import Table
+
+    from tokenmill.attention import AttentionRequirements
+    from tokenmill.attention.selection import describe_device, rank_backends
+    from tokenmill.platform import detect_platform, resolve_dtype
+
+    platform = detect_platform(manager)
+    device = describe_device(platform)
+    dtype_name = str(resolve_dtype(dtype, platform)).removeprefix("torch.")
+    needs = AttentionRequirements(device_type=device.device_type, dtype=dtype_name, head_size=head_size,
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    specs = [spec for _, spec in manager.collect_named("tokenmill_register_attention_backends",
+                                                       platform=platform).values()]
+    capability = "" if device.compute_capability is None else f", compute capability {device.compute_capability}"
+    table = Table(title=f"attention backends on {device.platform}{capability} ({dtype_name}, head size {head_size})")
+    for column in ("order", "backend", "priority", "here"):
+        table.add_column(column)
+    order = 0
+    for ranked in rank_backends(specs, needs, device):
+        order += ranked.reason is None
+        table.add_row(str(order) if ranked.reason is None else "-", ranked.spec.name, str(ranked.priority),
+                      ranked.reason or "runs (built in this order until one starts)")
     return table
 
 

@@ -285,7 +285,9 @@ def tokenmill_select_attention_backend(
     :param request: what the model needs (device type, dtype, head size, sliding
         window, attention soft-capping) and the user's explicit choice
         (``preferred``), if any.
-    :param candidates: the registered backends that support ``request``.
+    :param candidates: the registered backends that can run ``request`` on this platform,
+        best ranked first (by the platform's ``attention_priorities``, else each spec's
+        ``priority``; tokenmill.attention.selection).
     :param platform: the chosen platform.
     :returns: the name of one backend (normally one of ``candidates``).
 
@@ -293,8 +295,8 @@ def tokenmill_select_attention_backend(
     :func:`tokenmill_register_attention_backends`; again, without the backend
     that failed, when the chosen one cannot be built (unless the user named it).
 
-    Default (``trylast``): the user's choice, else the candidate of highest
-    priority. Stops at first non-``None`` result.
+    Default (``trylast``): the user's choice, else the first candidate. Stops at
+    first non-``None`` result.
     """
 
 

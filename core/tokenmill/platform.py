@@ -1,21 +1,27 @@
 """The platform interface and how the engine picks one.
 
 Each platform plugin answers ``tokenmill_detect_platform`` when its device is
-present; the available platform of highest priority wins. A platform object is
-small: a device, a default dtype, a KV-cache budget, a thread set-up and the
-torch.distributed backend name (:class:`Platform`).
+present (and logs that it steps aside when not); the available platform of
+highest priority wins, or the one ``$TOKENMILL_PLATFORM`` names. A platform
+object is small, three protocols every platform has (:class:`Platform`):
+device and memory (:class:`DeviceAndMemory`), dtype defaults
+(:class:`DtypeDefaults`) and the communication backend
+(:class:`CommunicationBackend`).
 
 What only some platforms can do is an optional capability, one small
 ``runtime_checkable`` protocol each, which the core tests with ``isinstance``
 and does without where it is missing: :class:`ThreadAffine`,
-:class:`KVCacheAllocator`, :class:`KVCachePrefault` and
-:class:`StepGraphCapture`. The ``platform_*`` functions below are those tests,
-with the fallback, so a caller never probes attributes itself.
+:class:`KVCacheAllocator`, :class:`KVCachePrefault`, :class:`StepGraphCapture`
+(graph capture), :class:`KernelFeatures` (compute capability, attention
+priorities) and :class:`ActivationProfiling`. The ``platform_*`` functions below are those tests, with the
+fallback, so a caller never probes attributes itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -24,19 +30,19 @@ import torch
 from tokenmill.errors import PluginError
 from tokenmill.plugins.specs import resolve_qualname
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.plugins.manager import PluginManager
 
 
-class Platform(Protocol):
-    name: str
+class DeviceAndMemory(Protocol):
+    """The device the model runs on and how much of its memory the KV cache may take."""
+
     device_type: str
-    dist_backend: str
 
     def device(self) -> torch.device: ...
-
-    def default_dtype(self) -> torch.dtype: ...
 
     def configure_process(self, config: EngineConfig) -> None:
         """Per-process set-up before the model is built (threads, device selection)."""
@@ -47,6 +53,26 @@ class Platform(Protocol):
         ...
 
     def synchronize(self) -> None: ...
+
+
+class DtypeDefaults(Protocol):
+    """The dtype ``dtype="auto"`` means on this platform (bfloat16 on GPUs, float32 on the CPU)."""
+
+    def default_dtype(self) -> torch.dtype: ...
+
+
+class CommunicationBackend(Protocol):
+    """The torch.distributed backend its ranks talk through (gloo, nccl — RCCL on ROCm —, xccl)."""
+
+    dist_backend: str
+
+
+class Platform(DeviceAndMemory, DtypeDefaults, CommunicationBackend, Protocol):
+    """What every platform has: a name, and the three small protocols above. Graph capture
+    (:class:`StepGraphCapture`), kernel features (:class:`KernelFeatures`) and the rest
+    below are optional capabilities."""
+
+    name: str
 
 
 # -- optional capabilities ------------------------------------------------------
@@ -88,6 +114,32 @@ class DevicePerRank(Protocol):
     finds its device from ``LOCAL_RANK``, which the executor sets (torchrun's convention)."""
 
     def device_count(self) -> int: ...
+
+
+@runtime_checkable
+class KernelFeatures(Protocol):
+    """What the platform tells the attention and quantization selectors about its kernels:
+    the device's NVIDIA compute capability (``(9, 0)`` on an H100/H200; None where the
+    numbers mean nothing, ROCm's and XPU's) and the priority each attention backend takes
+    on it (``{"triton": 30}`` on ROCm), overriding the spec's own ``priority``
+    (tokenmill.attention.selection)."""
+
+    def compute_capability(self) -> tuple[int, int] | None: ...
+
+    def attention_priorities(self) -> Mapping[str, int]: ...
+
+
+@runtime_checkable
+class ActivationProfiling(Protocol):
+    """The platform sizes the KV cache from what a step leaves of the device, so it needs the
+    largest step's activation memory first: the worker hands it that step as ``run``
+    (tokenmill.worker.memory_profile) and ``measure_peak_bytes`` returns the peak memory
+    ``run`` allocated beyond what was held before; ``kv_cache_bytes_after_profile`` is then
+    asked instead of ``kv_cache_bytes``. Not asked when ``kv_cache_memory`` is set."""
+
+    def measure_peak_bytes(self, run: Callable[[], object]) -> int: ...
+
+    def kv_cache_bytes_after_profile(self, config: EngineConfig, activation_bytes: int) -> int: ...
 
 
 class StepGraphUnsupported(Exception):
@@ -143,12 +195,26 @@ def platform_step_graph_capture(platform: Platform) -> StepGraphCapture | None:
     return platform if isinstance(platform, StepGraphCapture) else None
 
 
+PLATFORM_ENV = "TOKENMILL_PLATFORM"
+
+
 def detect_platform(plugins: PluginManager) -> Platform:
-    """Instantiate the available platform of highest priority."""
+    """Instantiate the available platform of highest priority, or the one ``$TOKENMILL_PLATFORM``
+    names (an error naming those that can run here when it cannot). A platform plugin whose
+    device is absent answers None (and logs that it steps aside)."""
     found = [r.value for r in plugins.collect("tokenmill_detect_platform")]
     if not found:
         raise PluginError("no platform plugin found; install tokenmill-platform-cpu (pip install tokenmill)")
-    best = max(found, key=lambda spec: spec.priority)
+    forced = os.environ.get(PLATFORM_ENV)
+    if forced:
+        chosen = [spec for spec in found if spec.name == forced]
+        if not chosen:
+            raise PluginError(f"{PLATFORM_ENV}={forced!r}: that platform cannot run here (not installed, or "
+                              f"its device is absent); the ones that can: {sorted(spec.name for spec in found)}")
+        best = chosen[0]
+    else:
+        best = max(found, key=lambda spec: spec.priority)
+    logger.debug("platform %s chosen among %s", best.name, [spec.name for spec in found])
     return resolve_qualname(best.qualname)()
 
 

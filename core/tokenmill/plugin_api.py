@@ -41,8 +41,13 @@ if TYPE_CHECKING:
     from tokenmill.executor import Executor, UniProcExecutor
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
+        ActivationProfiling,
+        CommunicationBackend,
+        DeviceAndMemory,
         DeviceKVAllocator,
         DevicePerRank,
+        DtypeDefaults,
+        KernelFeatures,
         KVCacheAllocator,
         KVCachePrefault,
         Platform,
@@ -87,7 +92,8 @@ _LAZY = {
     "Worker": "tokenmill.worker.worker",
     **dict.fromkeys(["Checkpoint", "WeightsIterator"], "tokenmill.model_loader.checkpoint"),
     **dict.fromkeys(["DeviceKVAllocator", "DevicePerRank", "KVCacheAllocator", "KVCachePrefault", "Platform", "StepGraph",
-                     "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine"], "tokenmill.platform"),
+                     "StepGraphCapture", "StepGraphUnsupported", "ThreadAffine", "ActivationProfiling", "CommunicationBackend",
+                     "DeviceAndMemory", "DtypeDefaults", "KernelFeatures"], "tokenmill.platform"),
     **dict.fromkeys(["PluginManager", "get_plugin_manager"], "tokenmill.plugins.manager"),
     **dict.fromkeys(["SamplingKernels", "register_sampling_kernels"], "tokenmill.sample.kernels"),
     **dict.fromkeys(["GrammarMatcher", "StructuredOutputBackend"], "tokenmill.structured_output.backend"),
@@ -130,8 +136,13 @@ __all__ = [
     "EngineConfig",
     "parse_size",
     # platforms and their optional capabilities
+    "ActivationProfiling",
+    "CommunicationBackend",
+    "DeviceAndMemory",
     "DeviceKVAllocator",
     "DevicePerRank",
+    "DtypeDefaults",
+    "KernelFeatures",
     "KVCacheAllocator",
     "KVCachePrefault",
     "Platform",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.errors import PluginError
+from tokenmill.attention.selection import Chooser, choose_and_build, describe_device, log_selection, rank_backends
 from tokenmill.plugins.specs import AttentionBackendSpec, resolve_qualname
 
 logger = logging.getLogger(__name__)
@@ -52,26 +52,33 @@ class AttentionRequirements:
     sliding_window: bool
     preferred: str | None = None
     logits_soft_cap: bool = False
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    block_size: int | None = None  # the KV cache's; None: not known yet (not checked)
+
+
+def _registered(plugins: PluginManager, platform: Any) -> dict[str, AttentionBackendSpec]:
+    return {name: spec for name, (_, spec) in
+            plugins.collect_named("tokenmill_register_attention_backends", platform=platform).items()}
+
+
+def _hook_chooser(plugins: PluginManager, platform: Any, needs: AttentionRequirements) -> Chooser:
+    """``tokenmill_select_attention_backend`` over the runnable candidates, best ranked first."""
+    def choose(candidates: list[AttentionBackendSpec]) -> str | None:
+        return plugins.hook.tokenmill_select_attention_backend(request=needs, candidates=candidates,
+                                                               platform=platform)
+    return choose
 
 
 def select_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements,
                              exclude: frozenset[str] = frozenset()) -> AttentionBackendSpec:
-    """Collect the registered backends, keep those that fit, let the hooks choose."""
-    registered = {name: spec for name, (_, spec) in
-                  plugins.collect_named("tokenmill_register_attention_backends", platform=platform).items()}
-    if needs.preferred is not None and needs.preferred not in registered:
-        raise PluginError(f"attention backend {needs.preferred!r} is not installed; have {sorted(registered)}")
-    candidates = [s for s in registered.values() if s.name not in exclude
-                  and s.supports(needs.device_type, needs.dtype, needs.head_size, needs.sliding_window,
-                                 needs.logits_soft_cap)]
-    if needs.preferred is not None and needs.logits_soft_cap and registered[needs.preferred] not in candidates:
-        # Run anyway, it would compute other scores than the model's.
-        raise PluginError(f"attention backend {needs.preferred!r} cannot soft-cap attention scores, which this "
-                          f"model needs ({needs})")
-    chosen = plugins.hook.tokenmill_select_attention_backend(request=needs, candidates=candidates, platform=platform)
-    if chosen is None:
-        raise PluginError(f"no installed attention backend supports {needs}; registered: {sorted(registered)}")
-    return registered[chosen]
+    """The spec the engine would build first (without building it): the hooks' choice among the
+    registered backends that can run here, best ranked first."""
+    registered = _registered(plugins, platform)
+    ranked = [r for r in rank_backends(registered.values(), needs, describe_device(platform))
+              if r.spec.name not in exclude]
+    selection = choose_and_build(ranked, needs, describe_device(platform), _hook_chooser(plugins, platform, needs),
+                                 build=lambda spec: cast(AttentionBackend, None))
+    return selection.spec
 
 
 def build_attention_backend(spec: AttentionBackendSpec, **kwargs: Any) -> AttentionBackend:
@@ -81,15 +88,12 @@ def build_attention_backend(spec: AttentionBackendSpec, **kwargs: Any) -> Attent
 
 def create_attention_backend(plugins: PluginManager, platform: Any, needs: AttentionRequirements,
                              **kwargs: Any) -> AttentionBackend:
-    """Select and build a backend; one that fails to build (a kernel without its compiler, say)
-    is skipped for the next choice, unless the user asked for it by name."""
-    failed: set[str] = set()
-    while True:
-        spec = select_attention_backend(plugins, platform, needs, frozenset(failed))
-        try:
-            return build_attention_backend(spec, **kwargs)
-        except Exception as exc:
-            if needs.preferred is not None:
-                raise PluginError(f"attention backend {spec.name!r} failed to start: {exc}") from exc
-            logger.warning("attention backend %s failed to start (%s); choosing another", spec.name, exc)
-            failed.add(spec.name)
+    """Select and build a backend; one that fails to import or build (a kernel without its
+    compiler, a library not installed) is skipped for the next one down the list, unless the
+    user asked for it by name. Logs the choice and why each backend above it was passed over."""
+    device = describe_device(platform)
+    ranked = rank_backends(_registered(plugins, platform).values(), needs, device)
+    selection = choose_and_build(ranked, needs, device, _hook_chooser(plugins, platform, needs),
+                                 build=lambda spec: build_attention_backend(spec, **kwargs))
+    log_selection(selection, needs)
+    return selection.backend

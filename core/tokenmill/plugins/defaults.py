@@ -10,12 +10,11 @@ from tokenmill.plugins.specs import AttentionBackendSpec
 
 @hookimpl(trylast=True)
 def tokenmill_select_attention_backend(request: Any, candidates: list[AttentionBackendSpec]) -> str | None:
-    """An explicit choice wins; otherwise the supporting backend of highest priority."""
+    """An explicit choice wins; otherwise the first candidate: the core passes them best ranked
+    first (by priority on this platform, tokenmill.attention.selection)."""
     if request.preferred is not None:
         return request.preferred
-    if not candidates:
-        return None
-    return max(candidates, key=lambda spec: spec.priority).name
+    return candidates[0].name if candidates else None
 
 
 @hookimpl

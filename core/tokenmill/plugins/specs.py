@@ -46,6 +46,16 @@ class AttentionBackendSpec:
     priority: int = 0
     # tanh soft-capping of the attention scores (Gemma 2): off unless a backend says it has it
     supports_logits_soft_cap: bool = False
+    # Where it runs beyond the device type: the platform names (None: any platform with one of
+    # ``device_types``; ROCm's device type is "cuda" too) and the NVIDIA compute capability range
+    # (None: no bound; a bound excludes a device that reports none).
+    platforms: tuple[str, ...] | None = None
+    min_compute_capability: tuple[int, int] | None = None
+    max_compute_capability: tuple[int, int] | None = None
+    # KV-cache dtypes besides the model's own ("auto"), e.g. "fp8_e4m3"
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    # the KV-cache block size must be a multiple of this (FlashAttention 2's paged path: 256)
+    block_size_multiple: int = 1
 
     def supports(self, device_type: str, dtype: str, head_size: int, sliding_window: bool,
                  logits_soft_cap: bool = False) -> bool:

@@ -45,10 +45,15 @@ def build_step_inputs(batch: InputBatch, num_scheduled_by_id: dict[str, int], de
     max_blocks = int(-(-seq_lens.max() // block_size))
 
     needs_copy = device != _HOST  # torch.from_numpy tensors live where numpy does
+    # A copy from pageable memory is synchronous whatever non_blocking says; from pinned memory
+    # (torch's caching host allocator, which keeps the block until the copy is done) it is not.
+    pin = device.type == "cuda"
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor.to(device, non_blocking=True) if needs_copy else tensor  # a no-op .to() still dispatches
+        if not needs_copy:
+            return tensor  # a no-op .to() still dispatches
+        return (tensor.pin_memory() if pin else tensor).to(device, non_blocking=True)
 
     metadata = AttentionMetadata(
         num_reqs=len(rows),

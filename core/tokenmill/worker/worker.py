@@ -8,6 +8,7 @@ methods are what an executor may call by name on every worker.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import load_checkpoint, resolve_model_class
 from tokenmill.model_loader.quant_config import resolve_quant_config
 from tokenmill.platform import (
+    ActivationProfiling,
     Platform,
     detect_platform,
     platform_kv_allocator,
@@ -34,6 +36,7 @@ from tokenmill.plugins.manager import PluginManager
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
+from tokenmill.worker.memory_profile import profile_forward
 from tokenmill.worker.model_builder import build_model
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_groups import parallel_groups
@@ -41,6 +44,7 @@ from tokenmill.worker.spec import WorkerSpec
 from tokenmill.worker.spec_decode import SpecDecodeRunner
 from tokenmill.worker.step_graphs import StepGraphCapture
 
+logger = logging.getLogger(__name__)
 
 class Worker:
     """One rank. A worker in a process of its own is built from the spec alone: it loads the
@@ -80,8 +84,17 @@ class Worker:
         return self.runner.kv_bytes_per_block()
 
     def kv_cache_budget(self) -> int:
-        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded."""
-        return self.platform.kv_cache_bytes(self.spec.config)
+        """Bytes this rank's KV cache may take, measured by its platform after its weights loaded
+        (and, on a platform that profiles, after the largest step ran once)."""
+        config = self.spec.config
+        if isinstance(self.platform, ActivationProfiling) and config.kv_cache_memory is None:
+            try:
+                peak = self.platform.measure_peak_bytes(profile_forward(self.runner, config.max_num_batched_tokens))
+            except Exception as exc:  # a model the dummy step does not fit: size without it
+                logger.warning("could not profile the largest step (%s); sizing the KV cache without it", exc)
+            else:
+                return self.platform.kv_cache_bytes_after_profile(config, peak)
+        return self.platform.kv_cache_bytes(config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # An optional platform capability (KVCachePrefault): how much of the cache to fault in now.
@@ -123,6 +136,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         sliding_window=any(layer.sliding_window for layer in layers),
         preferred=config.attention_backend,
         logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
+        block_size=config.block_size,
     )
     backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
     lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None

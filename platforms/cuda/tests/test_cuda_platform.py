@@ -23,3 +23,16 @@ def test_kv_tensors_fall_back_to_zeros_on_the_device():
     platform = CudaPlatform(device_index=1)
     assert platform_kv_allocator(platform) == DeviceKVAllocator(torch.device("cuda", 1))
     assert not platform_is_thread_affine(platform)
+
+
+def test_without_a_device_the_platform_steps_aside_with_a_log_line(caplog):
+    import logging
+
+    from tokenmill_platform_cuda import tokenmill_detect_platform
+
+    with caplog.at_level(logging.INFO, logger="tokenmill_platform_cuda"):
+        spec = tokenmill_detect_platform()
+    if torch.cuda.is_available() and torch.version.hip is None:
+        assert spec is not None and spec.name == "cuda"
+    elif torch.version.hip is None:
+        assert spec is None and "platform cuda is installed but steps aside" in caplog.text

@@ -1,13 +1,26 @@
-"""The CUDA platform: one device per process, bfloat16 by default, and a KV
-cache sized from free device memory times ``gpu_memory_utilization``."""
+"""The CUDA platform: one device per process, bfloat16 by default, a KV cache sized per
+process from ``gpu_memory_utilization``, CUDA graphs for decode batches, and the device's
+compute capability and attention priorities for the selectors (``KernelFeatures``)."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 
-from tokenmill.plugin_api import EngineConfig
+from tokenmill.plugin_api import EngineConfig, StepGraph
+from tokenmill_platform_cuda import graphs
+from tokenmill_platform_cuda.memory import ACTIVATION_MARGIN, baseline_free, kv_cache_budget, read_device_memory
+
+logger = logging.getLogger(__name__)
+
+# FlashAttention first where its compute capability and block size allow, then FlashInfer, then
+# the portable Triton kernel; SDPA (the reference) last. Backends not named keep their own priority.
+CUDA_ATTENTION_PRIORITIES: Mapping[str, int] = MappingProxyType(
+    {"flash-attn": 40, "flashinfer": 30, "triton": 20, "sdpa": 0})
 
 
 class CudaPlatform:
@@ -31,20 +44,62 @@ class CudaPlatform:
 
     def configure_process(self, config: EngineConfig) -> None:
         torch.cuda.set_device(self.device_index)
+        baseline_free(self.device_index)
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
         """An explicit ``kv_cache_memory`` wins (as vLLM's ``kv_cache_memory_bytes``);
-        otherwise what the utilisation fraction leaves once weights and activations are in."""
+        otherwise this process's share (``gpu_memory_utilization`` of the device) less what
+        it holds once its weights are in, counted per process (tokenmill_platform_cuda.memory)."""
         if config.kv_cache_memory is not None:
             return config.kv_cache_memory
-        torch.cuda.synchronize(self.device_index)
-        free, total = torch.cuda.mem_get_info(self.device_index)
-        budget = total * config.gpu_memory_utilization - (total - free)
-        if budget <= 0:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
-            )
-        return int(budget)
+        memory = read_device_memory(self.device_index)
+        budget = kv_cache_budget(memory, config.gpu_memory_utilization)
+        logger.info("KV cache budget %.2f GiB: %.0f%% of %.2f GiB less %.2f GiB this process holds",
+                    budget / (1 << 30), config.gpu_memory_utilization * 100, memory.total / (1 << 30),
+                    (memory.torch_reserved + memory.non_torch) / (1 << 30))
+        return budget
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
+
+    # -- ActivationProfiling: the largest step's peak, then the KV cache from what is left --
+
+    def measure_peak_bytes(self, run: Callable[[], object]) -> int:
+        """Peak bytes ``run`` allocated beyond what was allocated before; the allocator's cache
+        is emptied afterwards, so that what it reserved for the step is not counted twice."""
+        torch.cuda.synchronize(self.device_index)
+        torch.cuda.reset_peak_memory_stats(self.device_index)
+        before = torch.cuda.memory_allocated(self.device_index)
+        run()
+        torch.cuda.synchronize(self.device_index)
+        peak = torch.cuda.max_memory_allocated(self.device_index) - before
+        torch.cuda.empty_cache()
+        logger.info("largest step's activations: %.1f MiB", peak / (1 << 20))
+        return peak
+
+    def kv_cache_bytes_after_profile(self, config: EngineConfig, activation_bytes: int) -> int:
+        memory = read_device_memory(self.device_index)
+        budget = kv_cache_budget(memory, config.gpu_memory_utilization, activation_bytes + ACTIVATION_MARGIN)
+        logger.info("KV cache budget %.2f GiB: %.0f%% of %.2f GiB less %.2f GiB this process holds and "
+                    "%.2f GiB for activations and graphs", budget / (1 << 30), config.gpu_memory_utilization * 100,
+                    memory.total / (1 << 30), (memory.torch_reserved + memory.non_torch) / (1 << 30),
+                    (activation_bytes + ACTIVATION_MARGIN) / (1 << 30))
+        return budget
+
+    # -- StepGraphCapture: CUDA graphs for decode batches (tokenmill_platform_cuda.graphs) --
+
+    def new_graph_pool(self, max_batch_size: int) -> object:
+        return graphs.new_graph_pool(self.device_index)
+
+    def capture_step_graph(self, run: Callable[[], tuple[torch.Tensor, ...]], pool: object,
+                           batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]:
+        return graphs.capture_step_graph(run, pool, batch_size, self.device_index)
+
+    # -- KernelFeatures: what the attention and quantization selectors are told --
+
+    def compute_capability(self) -> tuple[int, int] | None:
+        major, minor = torch.cuda.get_device_capability(self.device_index)
+        return (major, minor)
+
+    def attention_priorities(self) -> Mapping[str, int]:
+        return CUDA_ATTENTION_PRIORITIES
