@@ -1,6 +1,7 @@
 """The scheduler with draft tokens, a real KV cache manager, and the target's verdict supplied
 by the test: drafts count in the token budget and get KV slots, rejected ones are taken back
-off ``num_computed_tokens`` and never reach the prefix cache, finished requests free all."""
+off ``num_computed_tokens``, never reach the prefix cache and give their blocks back at once,
+finished requests free all."""
 
 from __future__ import annotations
 
@@ -80,3 +81,21 @@ def test_no_drafts_past_max_tokens_or_for_a_last_token():
     out = scheduler.schedule()
     scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [2, 5]}))
     assert scheduler.requests.get("a") is None  # three tokens: finished, released
+
+
+def test_blocks_of_rejected_drafts_go_back_to_the_pool_and_the_workers_learn_it():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 6))
+    _prefill(scheduler, "a", [2, 3, 4])
+    out = scheduler.schedule()  # 6 + 1 + 3 = 10 tokens' slots: 3 blocks
+    assert len(scheduler.kv.get_block_ids("a")) == 3
+    free = scheduler.kv.num_free_blocks
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [9]}, spec_token_ids={"a": [5, 6, 7]}))
+    request = scheduler.requests["a"]
+    assert request.num_tokens == 8  # every draft rejected: the prompt and two sampled tokens
+    kept = scheduler.kv.get_block_ids("a")
+    assert len(kept) == 3 - 1 and scheduler.kv.num_free_blocks == free + 1  # the third block held drafts only
+    out = scheduler.schedule()
+    (diff,) = out.scheduled_cached_reqs
+    assert diff.num_kept_blocks == 2  # the workers cut their block table to these before appending
+    assert scheduler.kv.get_block_ids("a") == kept + diff.new_block_ids

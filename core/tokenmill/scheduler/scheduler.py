@@ -247,8 +247,11 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request itself was preempted
                 continue
-            plan.cached.append(CachedRequestData(request.request_id, False, new_blocks.get_block_ids(),
-                                                 request.num_computed_tokens, _unsent_tokens(request)))
+            block_ids = new_blocks.get_block_ids()
+            num_kept = len(self.kv.get_block_ids(request.request_id)) - len(block_ids)
+            plan.cached.append(CachedRequestData(request.request_id, False, block_ids,
+                                                 request.num_computed_tokens, _unsent_tokens(request),
+                                                 num_kept_blocks=num_kept))
             plan.tokens[request.request_id] = num_new
             plan.budget -= num_new
             if num_new > num_unsent:
@@ -361,6 +364,8 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
             elif self.config.num_speculative_tokens:
+                if drafts and sampled:  # the rejected drafts' slots go back to the pool now
+                    self.kv.free_excess(request, request.num_tokens)
                 request.spec_token_ids = usable_drafts(
                     request, runner_output.spec_token_ids.get(req_id, [])[: self.config.num_speculative_tokens],
                     self.config.max_model_len)

@@ -4,8 +4,9 @@ its next step, and what verifying them did.
 A request in decode has ``num_tokens - num_computed_tokens == 1`` (its last sampled token);
 with drafts it schedules ``1 + len(drafts)`` tokens, which the token budget counts and
 ``allocate_slots`` gives KV slots. After the step, the drafts the target rejected are taken
-back off ``num_computed_tokens`` (their KV slots are overwritten by the next step's tokens,
-in blocks the request keeps), so ``cache_blocks`` never publishes a speculative token.
+back off ``num_computed_tokens``, so ``cache_blocks`` never publishes a speculative token, and
+the blocks that held only rejected drafts go back to the pool (``KVCacheManager.free_excess``;
+the workers cut their block tables to ``CachedRequestData.num_kept_blocks``).
 """
 
 from __future__ import annotations

@@ -183,10 +183,10 @@ class ModelRunner:
             self.batch.add(state)
         for cached in so.scheduled_cached_reqs:
             self._update_cached(cached.req_id, cached.resumed_from_preemption, cached.new_block_ids,
-                                cached.num_computed_tokens, cached.new_token_ids)
+                                cached.num_computed_tokens, cached.new_token_ids, cached.num_kept_blocks)
 
     def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
-                       new_token_ids: list[int]) -> None:
+                       new_token_ids: list[int], num_kept_blocks: int = -1) -> None:
         state = self.requests[req_id]
         state.num_computed_tokens = num_computed
         missing = [] if self.samples else _missing_tokens(state, num_computed, new_token_ids)
@@ -196,8 +196,11 @@ class ModelRunner:
             state.pooled_sum = None  # recomputed from the first token
             self.batch.add(state)
             return
-        state.block_ids.extend(new_block_ids)
         row = self.batch.index_of[req_id]
+        if 0 <= num_kept_blocks < len(state.block_ids):  # blocks of rejected drafts went back to the pool
+            del state.block_ids[num_kept_blocks:]
+            self.batch.truncate_blocks(row, num_kept_blocks)
+        state.block_ids.extend(new_block_ids)
         self.batch.append_blocks(row, new_block_ids)
         self.batch.num_computed_tokens[row] = num_computed
         for token in missing:
