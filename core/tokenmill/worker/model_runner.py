@@ -145,7 +145,7 @@ class ModelRunner:
         self._pool(forward.inputs, forward.hidden, output)
         self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
         if self.spec_decode is not None:
-            self.spec_decode.propose(self.batch, output)
+            self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

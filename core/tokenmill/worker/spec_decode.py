@@ -12,7 +12,7 @@ import torch
 from tokenmill.sample import Sampler, SamplingMetadata, compute_logprobs, gather_logprobs
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.scheduler.output import ModelRunnerOutput
-from tokenmill.spec_decode.proposer import DraftRequest, Proposer
+from tokenmill.spec_decode.proposer import DraftRequest, Proposer, TargetHiddenStates
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import InputBatch
@@ -79,8 +79,12 @@ class SpecDecodeRunner:
             first += len(draft) + 1
         return mask & ~with_drafts
 
-    def propose(self, batch: InputBatch, output: ModelRunnerOutput) -> None:
-        """Drafts for every request that sampled this step, into ``output.spec_token_ids``."""
+    def propose(self, batch: InputBatch, output: ModelRunnerOutput, inputs: StepInputs | None = None,
+                hidden: torch.Tensor | None = None) -> None:
+        """Drafts for every request that sampled this step, into ``output.spec_token_ids``; a
+        proposer that drafts from the target's hidden states first gets those of the step."""
+        if inputs is not None and hidden is not None and getattr(self.proposer, "uses_target_hidden_states", False):
+            self.proposer.observe(self._held_hidden_states(batch, inputs, hidden, output))  # type: ignore[attr-defined]
         requests = []
         for req_id in output.sampled:
             row = batch.index_of.get(req_id)
@@ -95,6 +99,24 @@ class SpecDecodeRunner:
         for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
             if draft:
                 output.spec_token_ids[request.req_id] = [int(t) for t in draft[: request.num_drafts]]
+
+
+    def _held_hidden_states(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor,
+                            output: ModelRunnerOutput) -> list[TargetHiddenStates]:
+        """Per scheduled request, the hidden states of its positions whose tokens hold: all of a
+        prefill chunk's, and of a verifying row the last token's and the accepted drafts'."""
+        states = []
+        for i, row in enumerate(inputs.rows):
+            req_id = batch.req_ids[row]
+            if batch.samples_nothing[row]:
+                continue
+            count = int(inputs.num_scheduled[i])
+            if req_id in self.drafts:
+                count = len(output.sampled.get(req_id, ()))  # the accepted drafts and the token before them
+            if count:
+                first = int(inputs.query_start[i])
+                states.append(TargetHiddenStates(req_id, int(inputs.context_lens[i]), hidden[first : first + count]))
+        return states
 
 
 def _position_metadata(runner: ModelRunner, states: list[CachedRequestState],
