@@ -175,8 +175,8 @@ def test_the_distribution_check_catches_accepting_every_draft(llama_path, plain_
 
 
 def test_constrained_requests_beside_speculating_ones(llama_path):
-    """A request with a grammar decodes without drafts (its bitmask covers one position) in
-    the same batches as requests verifying drafts; both give what they give without speculation."""
+    """A request with a grammar decodes in the same batches as requests verifying drafts (its
+    own drafts checked by its grammar); both give what they give without speculation."""
     from tokenmill import StructuredOutputsParams
 
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]]
@@ -205,3 +205,19 @@ def test_a_stop_string_inside_an_accepted_run(llama_path, plain_outputs):
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in ours] == \
         [(o.outputs[0].text, o.outputs[0].finish_reason) for o in plain]
     assert any(o.outputs[0].finish_reason == "stop" for o in plain)
+
+
+def test_constrained_requests_verify_drafts_the_grammar_allows(llama_path):
+    """Requests with a grammar (and no others) take drafts too: those the grammar forbids are
+    cut, each verified position is masked by the grammar, and the output is what it is without
+    speculation."""
+    from tokenmill import StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="(ab|cd|e)+"))
+    plain = _engine(llama_path).generate(prompts, params)
+    llm = _engine(llama_path, NGRAM)
+    ours = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    stats = _core(llm).make_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0, "the constrained requests verified no draft"

@@ -61,6 +61,8 @@ class GrammarBitmask:
 
     bitmask: torch.Tensor
     rows: dict[str, int]
+    # A request verifying drafts: its rows, one per verified position (the drafts, then the token after).
+    draft_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -236,7 +236,7 @@ class Scheduler:
         sampling = [r for r in self._constrained.values()
                     if r.request_id in tokens and r.num_computed_tokens + tokens[r.request_id] >= r.num_tokens]
         assert self.structured_output is not None
-        return self.structured_output.grammar_bitmask(sampling)
+        return self.structured_output.grammar_bitmask(sampling, scheduler_output.scheduled_spec_decode_tokens)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0

@@ -216,7 +216,7 @@ class ModelRunner:
                 grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
         mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]
         if self.spec_decode is not None and self.spec_decode.drafts:  # rows with drafts verify them
-            mask = self.spec_decode.verify(self, inputs, hidden, mask, output)
+            mask = self.spec_decode.verify(self, inputs, hidden, mask, output, grammar)
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return
