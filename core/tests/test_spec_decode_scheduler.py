@@ -99,3 +99,26 @@ def test_blocks_of_rejected_drafts_go_back_to_the_pool_and_the_workers_learn_it(
     (diff,) = out.scheduled_cached_reqs
     assert diff.num_kept_blocks == 2  # the workers cut their block table to these before appending
     assert scheduler.kv.get_block_ids("a") == kept + diff.new_block_ids
+
+
+def test_a_request_whose_drafts_keep_missing_decodes_a_while_without_them():
+    scheduler = _scheduler(spec_min_acceptance_rate=0.5, spec_acceptance_window=4, spec_backoff_tokens=3)
+    scheduler.add_request(_request("miss", 8, max_tokens=40))
+    scheduler.add_request(_request("hit", 8, max_tokens=40))
+    out = scheduler.schedule()
+    proposals = {"miss": [2, 3, 4], "hit": [5, 6, 7]}
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"miss": [1], "hit": [1]}, spec_token_ids=proposals))
+    carried = []
+    for _ in range(6):
+        out = scheduler.schedule()
+        carried.append({rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()})
+        sampled = {"miss": [9]}  # every draft rejected
+        sampled["hit"] = [*out.scheduled_spec_decode_tokens.get("hit", []), 8]  # every draft accepted
+        if "miss" not in out.scheduled_spec_decode_tokens:
+            sampled["miss"] = [9]
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled, spec_token_ids=proposals))
+    # two verifications of 3 rejected drafts judge "miss" (6 >= 4 drafted, none accepted): it pauses
+    # for 3 output tokens (3 steps of one token), then carries drafts again; "hit" never pauses
+    assert [c.get("miss", 0) for c in carried] == [3, 3, 0, 0, 0, 3]
+    assert all(c["hit"] == 3 for c in carried)
+    assert scheduler.draft_backoff.num_pauses == 1
