@@ -5,12 +5,15 @@ embedding and the target's hidden state at the position before it (``2 * hidden`
 without an input norm (its input is ``fc``'s output, not a residual stream); no final norm.
 Its output feeds the target's lm_head, and is the hidden state of the head's next step.
 
-The head runs one request at a time over a dense KV cache of its own (``LayerKV``): it is one
-layer, small beside the target, and its positions are those of the request's context.
+The head keeps a dense KV cache per request (``LayerKV``): it is one layer, small beside the
+target. A call runs the tokens of several requests at once (``lengths`` of them each, in
+order): the projections and the MLP over all of them, the attention request by request
+against that request's cache.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,7 +26,7 @@ from tokenmill.layers import RMSNorm, RotaryEmbedding
 
 @dataclass
 class LayerKV:
-    """One layer's keys and values for the consecutive positions ``start ..``."""
+    """One layer's keys and values of one request, for the consecutive positions ``start ..``."""
 
     start: int
     keys: torch.Tensor  # [S, kv_heads, head_size]
@@ -51,22 +54,32 @@ class EagleAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=bias)
         self._rotary = [rotary]  # shared by the layers, kept out of the state dict
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: LayerKV) -> torch.Tensor:
-        """Attend the new positions (after the cached ones) to the cache and themselves, causally."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, caches: Sequence[LayerKV],
+                lengths: Sequence[int]) -> torch.Tensor:
+        """Each request's new positions (after its cached ones) attend to its cache and
+        themselves, causally; their keys and values join the cache."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_size)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
         q, k = self._rotary[0](positions, q, k)
-        cache.keys = torch.cat([cache.keys, k])
-        cache.values = torch.cat([cache.values, v])
-        key_positions = cache.start + torch.arange(cache.keys.shape[0], device=x.device)
+        out = torch.empty_like(q)
+        first = 0
+        for cache, length in zip(caches, lengths, strict=True):
+            span = slice(first, first + length)
+            cache.keys = torch.cat([cache.keys, k[span]])
+            cache.values = torch.cat([cache.values, v[span]])
+            out[span] = self._attend(q[span], positions[span], cache)
+            first += length
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+
+    def _attend(self, q: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+        key_positions = cache.start + torch.arange(cache.keys.shape[0], device=q.device)
         allowed = key_positions[None, :] <= positions[:, None]
         groups = self.num_heads // self.num_kv_heads
         keys = cache.keys.transpose(0, 1).repeat_interleave(groups, dim=0)
         values = cache.values.transpose(0, 1).repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=allowed)
-        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.head_size))
+        return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=allowed).transpose(0, 1)
 
 
 class EagleMLP(nn.Module):
@@ -89,8 +102,9 @@ class EagleDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = EagleMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: LayerKV) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), cache)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, caches: Sequence[LayerKV],
+                lengths: Sequence[int]) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), caches, lengths)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -105,15 +119,17 @@ class EagleHead(nn.Module):
                                     for i in range(config.num_hidden_layers))
 
     def empty_caches(self, start: int, device: torch.device, dtype: torch.dtype) -> list[LayerKV]:
+        """One request's caches (one per layer), starting at position ``start``."""
         attention = [cast(EagleDecoderLayer, layer).self_attn for layer in self.layers]
         return [LayerKV(start, torch.empty(0, a.num_kv_heads, a.head_size, device=device, dtype=dtype),
                         torch.empty(0, a.num_kv_heads, a.head_size, device=device, dtype=dtype)) for a in attention]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                caches: list[LayerKV]) -> torch.Tensor:
+                caches: Sequence[Sequence[LayerKV]], lengths: Sequence[int]) -> torch.Tensor:
         """The head's hidden states at ``positions``, from the embeddings of the tokens there
-        plus one and the hidden states that predicted them; appends to ``caches``."""
+        plus one and the hidden states that predicted them; ``caches[r]`` (per layer) and
+        ``lengths[r]`` are request ``r``'s, whose tokens come in that order. Appends to the caches."""
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(positions, x, cache)
+        for index, layer in enumerate(self.layers):
+            x = layer(positions, x, [request_caches[index] for request_caches in caches], lengths)
         return x

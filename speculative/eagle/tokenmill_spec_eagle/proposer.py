@@ -1,6 +1,7 @@
 """EAGLE-1 drafting: the head reads the target's hidden states of the positions the target
 computed (``observe``, every step) and, when a request has sampled, catches its KV up with
-them, then proposes ``k`` tokens greedily, feeding its own output back as the next hidden state.
+them, then proposes ``k`` tokens greedily, feeding its own output back as the next hidden state
+(the requests of a call together: one head call to catch up, one per draft step).
 
 The head at position ``i`` takes ``(embedding of token i+1, target hidden state at i)``, so
 it can run up to the position before the last token. Its KV of draft positions is dropped
@@ -104,31 +105,54 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self._propose_one(request) for request in requests]
-
-    def _propose_one(self, request: DraftRequest) -> list[int]:
-        state = self.states.get(request.req_id)
-        num_tokens = len(request.token_ids)
-        # the target's hidden states must reach the position before the last token
-        if state is None or state.end != num_tokens - 1 or state.num_pending == 0 or request.num_drafts < 1:
-            return []
-        first = state.start + state.num_kv
-        tokens = torch.as_tensor(request.token_ids[first + 1 : num_tokens], device=self.device)
-        positions = torch.arange(first, num_tokens - 1, device=self.device)
-        out = self.head(self.embed(tokens), torch.cat(state.pending), positions, state.caches)
-        state.num_kv += state.num_pending
-        state.pending, state.num_pending = [], 0
-        hidden, drafts = out[-1:], []
-        for step in range(request.num_drafts):
-            token = int(self.target.compute_logits(hidden)[0, : self.vocab_size].argmax())
-            drafts.append(token)
-            if step + 1 < request.num_drafts:
-                position = torch.tensor([num_tokens - 1 + step], device=self.device)
-                ids = torch.tensor([token], device=self.device)
-                hidden = self.head(self.embed(ids), hidden, position, state.caches)
-        for cache in state.caches:  # the drafts' KV goes: recomputed from real hidden states next time
-            cache.truncate(state.num_kv)
+        """Every ready request's head catches up in one call, then each draft step runs the
+        requests still drafting together; the drafts' KV is dropped after."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        ready = [(i, r, state) for i, r in enumerate(requests)
+                 if (state := self.states.get(r.req_id)) is not None and self._is_ready(r, state)]
+        if not ready:
+            return drafts
+        hidden = self._catch_up([(r, state) for _, r, state in ready])
+        active = list(range(len(ready)))
+        for step in range(max(r.num_drafts for _, r, _ in ready)):
+            tokens = self.target.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()
+            for j, token in zip(active, tokens, strict=True):
+                drafts[ready[j][0]].append(int(token))
+            keep = [n for n, j in enumerate(active) if ready[j][1].num_drafts > step + 1]
+            if not keep:
+                break
+            active = [active[n] for n in keep]
+            ids = torch.tensor([tokens[n] for n in keep], device=self.device)
+            positions = torch.tensor([len(ready[j][1].token_ids) - 1 + step for j in active], device=self.device)
+            hidden = self.head(self.embed(ids), hidden[keep], positions, [ready[j][2].caches for j in active],
+                               [1] * len(active))
+        for _, _, state in ready:  # the drafts' KV goes: recomputed from real hidden states next time
+            for cache in state.caches:
+                cache.truncate(state.num_kv)
         return drafts
+
+    @staticmethod
+    def _is_ready(request: DraftRequest, state: _HeadState) -> bool:
+        """The target's hidden states reach the position before the last token, and some are new."""
+        return state.end == len(request.token_ids) - 1 and state.num_pending > 0 and request.num_drafts > 0
+
+    def _catch_up(self, ready: list[tuple[DraftRequest, _HeadState]]) -> torch.Tensor:
+        """Run the head over every request's pending positions; returns its output at each
+        request's last one (the hidden state its first draft is read from)."""
+        tokens, hidden, positions, lengths = [], [], [], []
+        for request, state in ready:
+            first, last = state.start + state.num_kv, len(request.token_ids) - 1
+            tokens.append(torch.as_tensor(request.token_ids[first + 1 : last + 1]))
+            hidden += state.pending
+            positions.append(torch.arange(first, last))
+            lengths.append(last - first)
+        out = self.head(self.embed(torch.cat(tokens).to(self.device)), torch.cat(hidden),
+                        torch.cat(positions).to(self.device), [state.caches for _, state in ready], lengths)
+        for _, state in ready:
+            state.num_kv += state.num_pending
+            state.pending, state.num_pending = [], 0
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return out[ends]
 
 
 def _target_embedding(model: Any) -> Any:
