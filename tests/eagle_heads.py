@@ -13,8 +13,9 @@ from torch import nn
 
 
 def build_eagle_head(folder: Path, target: Path, seed: int = 0, hidden_size: int | None = None,
-                     bin_format: bool = False) -> Path:
-    """Save a head for ``target`` into ``folder`` (safetensors, or ``pytorch_model.bin``)."""
+                     bin_format: bool = False, fc_bias: bool = False) -> Path:
+    """Save a head for ``target`` into ``folder`` (safetensors, or ``pytorch_model.bin`` with
+    the ``fc.bias`` the first published heads have, where ``fc_bias``)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -26,7 +27,7 @@ def build_eagle_head(folder: Path, target: Path, seed: int = 0, hidden_size: int
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(seed)
     layer = LlamaDecoderLayer(config, layer_idx=0)
-    fc = nn.Linear(2 * hidden, hidden, bias=False)
+    fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
     with torch.no_grad():
         for parameter in [*layer.parameters(), fc.weight]:
             if parameter.dim() == 2:
@@ -34,6 +35,8 @@ def build_eagle_head(folder: Path, target: Path, seed: int = 0, hidden_size: int
     weights = {f"layers.0.{name}": tensor for name, tensor in layer.state_dict().items()
                if not name.startswith("input_layernorm.")}
     weights["fc.weight"] = fc.weight.detach()
+    if fc.bias is not None:
+        weights["fc.bias"] = fc.bias.detach()
     weights["embed_tokens.weight"] = torch.zeros(config.vocab_size, hidden)  # shared: the target's is used
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
@@ -51,19 +54,20 @@ def hf_eagle_drafts(target: Path, head: Path, context: list[int], k: int) -> lis
     """The ``k`` greedy drafts after ``context``, with transformers: the target's final hidden
     states of the whole context, the head as transformers' LlamaDecoderLayer (its input norm an
     identity) recomputed over the whole sequence at each draft, the target's lm_head."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     config = LlamaConfig.from_pretrained(head)
     layer = LlamaDecoderLayer(config, layer_idx=0)
-    weights = load_file(str(head / "model.safetensors"))
+    weights = _read(head)
     layer.load_state_dict({name.removeprefix("layers.0."): t for name, t in weights.items()
                            if name.startswith("layers.0.")}, strict=False)
     layer.input_layernorm = nn.Identity()
-    fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+    fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias="fc.bias" in weights)
     fc.weight.data = weights["fc.weight"]
+    if fc.bias is not None:
+        fc.bias.data = weights["fc.bias"]
     config._attn_implementation = "eager"
     rotary = LlamaRotaryEmbedding(config)
     embed = model.get_input_embeddings()
@@ -83,3 +87,11 @@ def hf_eagle_drafts(target: Path, head: Path, context: list[int], k: int) -> lis
             drafts.append(token)
             inputs = torch.cat([inputs, fc(torch.cat([embed(torch.tensor([token])), last], dim=-1))])
     return drafts
+
+
+def _read(head: Path) -> dict[str, torch.Tensor]:
+    if (head / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(head / "model.safetensors"))
+    return torch.load(head / "pytorch_model.bin", weights_only=True)

@@ -78,8 +78,8 @@ def test_eagle_drafts_are_what_transformers_computes_from_the_targets_hidden_sta
     """Through chunked prefills (hidden states of steps that do not sample) and rejected drafts
     (hidden states of the accepted positions only), every draft is transformers' computation of
     the head over the target's hidden states of the whole context. The head also loads from
-    ``pytorch_model.bin``."""
-    head = build_eagle_head(tmp_path / "bin", llama_path, bin_format=True) if bin_format else eagle_head
+    ``pytorch_model.bin``, with the ``fc.bias`` of the first published heads."""
+    head = build_eagle_head(tmp_path / "bin", llama_path, bin_format=True, fc_bias=True) if bin_format else eagle_head
     llm = _engine(llama_path, _eagle(head), enable_prefix_caching=False, max_num_batched_tokens=16,
                   num_kv_blocks=None, kv_cache_memory="16MiB")
     calls = _record_proposals(llm)
@@ -88,7 +88,7 @@ def test_eagle_drafts_are_what_transformers_computes_from_the_targets_hidden_sta
     assert len(calls) >= 3 * 3
     for context, drafts in calls:
         assert drafts, "a request that sampled got no drafts"
-        assert drafts == hf_eagle_drafts(llama_path, eagle_head, context, len(drafts)), f"context of {len(context)}"
+        assert drafts == hf_eagle_drafts(llama_path, head, context, len(drafts)), f"context of {len(context)}"
 
 
 def test_sampled_tokens_keep_their_distribution_with_eagle(llama_path, eagle_head, plain_second_tokens):  # noqa: F811
