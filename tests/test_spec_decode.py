@@ -221,3 +221,33 @@ def test_constrained_requests_verify_drafts_the_grammar_allows(llama_path):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
     stats = _core(llm).make_stats()
     assert stats.spec_decode_num_accepted_tokens > 0, "the constrained requests verified no draft"
+
+
+def test_the_workers_block_tables_follow_the_blocks_given_back(llama_path):
+    """The scheduler gives back the blocks of rejected drafts; at every step the worker's block
+    table of each scheduled request (its state and its batch row) is the scheduler's."""
+    engine = LLMEngine(EngineConfig(model=str(llama_path), dtype="float32", max_model_len=128, block_size=4,
+                                    num_kv_blocks=96, speculative_config={**NGRAM, "min_acceptance_rate": 0}))
+    for i, prompt in enumerate(_repetitive_prompts()[:4]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, _greedy(24))
+    core = engine.core
+
+    def worker_tables(worker):
+        runner = worker.runner
+        return {rid: (list(state.block_ids),
+                      runner.batch.block_table[runner.batch.index_of[rid], : runner.batch.num_blocks[
+                          runner.batch.index_of[rid]]].tolist())
+                for rid, state in runner.requests.items() if rid in runner.batch.index_of}
+
+    given_back = 0
+    while core.scheduler.has_unfinished_requests:
+        out = core.scheduler.schedule()
+        expected = {rid: core.kv_manager.get_block_ids(rid) for rid in out.num_scheduled_tokens}
+        core.executor.execute_model(out, non_block=True).result()
+        tables = core.executor.collective_rpc(worker_tables)[0]
+        for rid, blocks in expected.items():
+            assert tables[rid] == (blocks, blocks), f"{rid}: the worker's block table is not the scheduler's"
+        core.scheduler.update_from_output(out, core.executor.sample_tokens(core.scheduler.grammar_bitmask(out)))
+        given_back += sum(len(core.kv_manager.get_block_ids(rid)) < len(blocks)
+                          for rid, blocks in expected.items() if rid in core.scheduler.requests)
+    assert given_back > 0, "no running request gave blocks of rejected drafts back"
