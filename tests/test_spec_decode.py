@@ -175,8 +175,8 @@ def test_the_distribution_check_catches_accepting_every_draft(llama_path, plain_
 
 
 def test_constrained_requests_beside_speculating_ones(llama_path):
-    """A request with a grammar decodes without drafts (its bitmask covers one position) in
-    the same batches as requests verifying drafts; both give what they give without speculation."""
+    """A request with a grammar decodes in the same batches as requests verifying drafts (its
+    own drafts checked by its grammar); both give what they give without speculation."""
     from tokenmill import StructuredOutputsParams
 
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]]
@@ -205,3 +205,49 @@ def test_a_stop_string_inside_an_accepted_run(llama_path, plain_outputs):
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in ours] == \
         [(o.outputs[0].text, o.outputs[0].finish_reason) for o in plain]
     assert any(o.outputs[0].finish_reason == "stop" for o in plain)
+
+
+def test_constrained_requests_verify_drafts_the_grammar_allows(llama_path):
+    """Requests with a grammar (and no others) take drafts too: those the grammar forbids are
+    cut, each verified position is masked by the grammar, and the output is what it is without
+    speculation."""
+    from tokenmill import StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="(ab|cd|e)+"))
+    plain = _engine(llama_path).generate(prompts, params)
+    llm = _engine(llama_path, NGRAM)
+    ours = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    stats = _core(llm).make_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0, "the constrained requests verified no draft"
+
+
+def test_the_workers_block_tables_follow_the_blocks_given_back(llama_path):
+    """The scheduler gives back the blocks of rejected drafts; at every step the worker's block
+    table of each scheduled request (its state and its batch row) is the scheduler's."""
+    engine = LLMEngine(EngineConfig(model=str(llama_path), dtype="float32", max_model_len=128, block_size=4,
+                                    num_kv_blocks=96, speculative_config={**NGRAM, "min_acceptance_rate": 0}))
+    for i, prompt in enumerate(_repetitive_prompts()[:4]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, _greedy(24))
+    core = engine.core
+
+    def worker_tables(worker):
+        runner = worker.runner
+        return {rid: (list(state.block_ids),
+                      runner.batch.block_table[runner.batch.index_of[rid], : runner.batch.num_blocks[
+                          runner.batch.index_of[rid]]].tolist())
+                for rid, state in runner.requests.items() if rid in runner.batch.index_of}
+
+    given_back = 0
+    while core.scheduler.has_unfinished_requests:
+        out = core.scheduler.schedule()
+        expected = {rid: core.kv_manager.get_block_ids(rid) for rid in out.num_scheduled_tokens}
+        core.executor.execute_model(out, non_block=True).result()
+        tables = core.executor.collective_rpc(worker_tables)[0]
+        for rid, blocks in expected.items():
+            assert tables[rid] == (blocks, blocks), f"{rid}: the worker's block table is not the scheduler's"
+        core.scheduler.update_from_output(out, core.executor.sample_tokens(core.scheduler.grammar_bitmask(out)))
+        given_back += sum(len(core.kv_manager.get_block_ids(rid)) < len(blocks)
+                          for rid, blocks in expected.items() if rid in core.scheduler.requests)
+    assert given_back > 0, "no running request gave blocks of rejected drafts back"

@@ -494,6 +494,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         request.append_output_token(1 - drafts[accepted] if accepted < len(drafts) else token)
         request.num_computed_tokens += 1 + accepted  # the scheduler takes the rejected ones back
         self.manager.cache_blocks(request, request.num_computed_tokens)
+        held = self.manager.get_blocks(request.request_id).blocks
+        free_before = self.manager.num_free_blocks
+        freed = self.manager.free_excess(request, request.num_tokens)  # and gives their slots back
+        assert freed == max(0, len(held) - -(-request.num_tokens // BLOCK_SIZE))
+        assert self.manager.num_free_blocks == free_before + freed
+        assert all(b.block_hash is None for b in held[len(held) - freed:]), "a rejected draft's block was cached"
         for index, block_hash in enumerate(request.block_hashes):
             meaning = self._prefix(request, index + 1)
             assert self.hash_meaning.setdefault(block_hash, meaning) == meaning
@@ -540,11 +546,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert block.ref_cnt == holders.get(block.block_id, 0)
 
     @invariant()
-    def no_request_holds_more_than_its_tokens_and_drafts_need(self) -> None:
-        """The slots of rejected drafts stay with their request for its next step's tokens
-        (and go back to the pool with the request), never more than one step's drafts' worth."""
+    def no_request_holds_more_than_its_tokens_need(self) -> None:
+        """The slots of rejected drafts go back to the pool right after the step that rejected
+        them: between steps a request holds no block beyond its tokens (no leak with drafts)."""
         for request in self.running:
-            limit = -(-(max(request.num_tokens, request.num_computed_tokens + 1 + MAX_DRAFTS)) // BLOCK_SIZE)
+            limit = -(-request.num_tokens // BLOCK_SIZE)
             assert len(self.manager.get_block_ids(request.request_id)) <= limit
 
     @invariant()

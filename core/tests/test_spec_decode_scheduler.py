@@ -1,6 +1,7 @@
 """The scheduler with draft tokens, a real KV cache manager, and the target's verdict supplied
 by the test: drafts count in the token budget and get KV slots, rejected ones are taken back
-off ``num_computed_tokens`` and never reach the prefix cache, finished requests free all."""
+off ``num_computed_tokens``, never reach the prefix cache and give their blocks back at once,
+finished requests free all."""
 
 from __future__ import annotations
 
@@ -80,3 +81,44 @@ def test_no_drafts_past_max_tokens_or_for_a_last_token():
     out = scheduler.schedule()
     scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [2, 5]}))
     assert scheduler.requests.get("a") is None  # three tokens: finished, released
+
+
+def test_blocks_of_rejected_drafts_go_back_to_the_pool_and_the_workers_learn_it():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 6))
+    _prefill(scheduler, "a", [2, 3, 4])
+    out = scheduler.schedule()  # 6 + 1 + 3 = 10 tokens' slots: 3 blocks
+    assert len(scheduler.kv.get_block_ids("a")) == 3
+    free = scheduler.kv.num_free_blocks
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"a": [9]}, spec_token_ids={"a": [5, 6, 7]}))
+    request = scheduler.requests["a"]
+    assert request.num_tokens == 8  # every draft rejected: the prompt and two sampled tokens
+    kept = scheduler.kv.get_block_ids("a")
+    assert len(kept) == 3 - 1 and scheduler.kv.num_free_blocks == free + 1  # the third block held drafts only
+    out = scheduler.schedule()
+    (diff,) = out.scheduled_cached_reqs
+    assert diff.num_kept_blocks == 2  # the workers cut their block table to these before appending
+    assert scheduler.kv.get_block_ids("a") == kept + diff.new_block_ids
+
+
+def test_a_request_whose_drafts_keep_missing_decodes_a_while_without_them():
+    scheduler = _scheduler(spec_min_acceptance_rate=0.5, spec_acceptance_window=4, spec_backoff_tokens=3)
+    scheduler.add_request(_request("miss", 8, max_tokens=40))
+    scheduler.add_request(_request("hit", 8, max_tokens=40))
+    out = scheduler.schedule()
+    proposals = {"miss": [2, 3, 4], "hit": [5, 6, 7]}
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={"miss": [1], "hit": [1]}, spec_token_ids=proposals))
+    carried = []
+    for _ in range(6):
+        out = scheduler.schedule()
+        carried.append({rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()})
+        sampled = {"miss": [9]}  # every draft rejected
+        sampled["hit"] = [*out.scheduled_spec_decode_tokens.get("hit", []), 8]  # every draft accepted
+        if "miss" not in out.scheduled_spec_decode_tokens:
+            sampled["miss"] = [9]
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled, spec_token_ids=proposals))
+    # two verifications of 3 rejected drafts judge "miss" (6 >= 4 drafted, none accepted): it pauses
+    # for 3 output tokens (3 steps of one token), then carries drafts again; "hit" never pauses
+    assert [c.get("miss", 0) for c in carried] == [3, 3, 0, 0, 0, 3]
+    assert all(c["hit"] == 3 for c in carried)
+    assert scheduler.draft_backoff.num_pauses == 1

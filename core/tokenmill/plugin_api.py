@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
     from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
     from tokenmill.spec_decode.config import SpeculativeConfig
-    from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext
+    from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext, TargetHiddenStates
     from tokenmill.structured_output.backend import GrammarMatcher, StructuredOutputBackend
     from tokenmill.tool_parsers import (
         ExtractedToolCalls,
@@ -105,7 +105,8 @@ _LAZY = {
     "SpeculativeConfig": "tokenmill.spec_decode.config",
     **dict.fromkeys(["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput"],
                     "tokenmill.scheduler.output"),
-    **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext"], "tokenmill.spec_decode.proposer"),
+    **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext", "TargetHiddenStates"],
+                    "tokenmill.spec_decode.proposer"),
 }
 
 
@@ -193,6 +194,7 @@ __all__ = [
     "Proposer",
     "ProposerContext",
     "SpeculativeConfig",
+    "TargetHiddenStates",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

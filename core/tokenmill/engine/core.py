@@ -82,6 +82,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+            **_draft_backoff_options(config.speculative_config),
         ), self.kv_manager, self.structured_output, self.lora)
         self._building_thread = threading.get_ident()
         self._warned_thread = False
@@ -203,3 +204,11 @@ def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
     if native is not None and config.max_model_len > native:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {native} positions")
     return config.max_model_len
+
+
+def _draft_backoff_options(speculative: Any) -> dict[str, Any]:
+    """The scheduler's off-switch for drafts that rarely hit, from ``speculative_config``."""
+    if speculative is None:
+        return {}
+    return dict(spec_min_acceptance_rate=speculative.min_acceptance_rate,
+                spec_acceptance_window=speculative.acceptance_window, spec_backoff_tokens=speculative.backoff_tokens)

@@ -6,7 +6,9 @@ The scheduler drives a request through three calls per step:
 2. ``allocate_slots``: take the hit and enough blocks for the tokens
    scheduled this step, or ``None`` if the pool cannot supply them;
 3. ``cache_blocks`` (after the step ran): publish the blocks whose KV is now
-   written, so later requests can hit them.
+   written, so later requests can hit them;
+4. ``free_excess`` (after a step that verified drafts): give back the blocks
+   that only held the slots of rejected draft tokens.
 
 and ``free`` when the request finishes or is preempted.
 """
@@ -178,6 +180,22 @@ class KVCacheManager:
         num_full = min(num_full, len(request.block_hashes))
         self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
         self._num_cached_blocks[request.request_id] = num_full
+
+    def free_excess(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's trailing blocks that hold no position below ``num_tokens``:
+        the slots of draft tokens the target rejected, which would otherwise stay with the
+        request until it finishes. Such blocks are never in the hash map (only blocks of
+        verified tokens are cached). Returns how many blocks went back to the pool."""
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = max(_cdiv(num_tokens, self.block_size), self._num_cached_blocks.get(request.request_id, 0))
+        excess = blocks[keep:]
+        if not excess:
+            return 0
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(excess))
+        return len(excess)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget it; a no-op if it holds none.

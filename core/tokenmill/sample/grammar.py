@@ -63,5 +63,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask | None,
     if not pairs:
         return logits
     logit_rows, mask_rows = zip(*pairs, strict=True)
-    bitmask = grammar.bitmask if list(mask_rows) == list(range(len(grammar.rows))) else grammar.bitmask[list(mask_rows)]
+    whole = list(mask_rows) == list(range(grammar.bitmask.shape[0]))  # (draft rows follow the others)
+    bitmask = grammar.bitmask if whole else grammar.bitmask[list(mask_rows)]
     return apply_token_bitmask(logits, bitmask, logit_rows)

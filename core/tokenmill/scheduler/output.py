@@ -43,6 +43,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_computed_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
+    # The block table's length before ``new_block_ids`` are appended (-1: all it had): shorter
+    # where the scheduler gave back blocks that held only rejected draft tokens.
+    num_kept_blocks: int = -1
 
 
 @dataclass
@@ -58,6 +61,8 @@ class GrammarBitmask:
 
     bitmask: torch.Tensor
     rows: dict[str, int]
+    # A request verifying drafts: its rows, one per verified position (the drafts, then the token after).
+    draft_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

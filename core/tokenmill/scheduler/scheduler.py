@@ -28,6 +28,7 @@ from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler.draft_backoff import DraftBackoff
 from tokenmill.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -57,6 +58,11 @@ class SchedulerConfig:
     # step, never chunked (the input processor rejects one longer than the step's budget).
     non_causal_prefill: bool = False
     num_speculative_tokens: int = 0  # most draft tokens a request carries into a step (0: no speculation)
+    # A request whose last spec_acceptance_window drafts had fewer accepted than this rate
+    # decodes its next spec_backoff_tokens tokens without drafts (0: never).
+    spec_min_acceptance_rate: float = 0.0
+    spec_acceptance_window: int = 32
+    spec_backoff_tokens: int = 32
 
 
 @dataclass
@@ -90,6 +96,8 @@ class Scheduler:
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_decode = SpecDecodeCounters()
+        self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
+                                          config.spec_backoff_tokens)
 
     # -- admission and removal ------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,6 +154,7 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._constrained.pop(request.request_id, None)
+        self.draft_backoff.forget(request.request_id)
         request.grammar = None
         slot = self._lora_slots.pop(request.request_id, None)
         if slot is not None and self.lora is not None:
@@ -237,7 +246,7 @@ class Scheduler:
         sampling = [r for r in self._constrained.values()
                     if r.request_id in tokens and r.num_computed_tokens + tokens[r.request_id] >= r.num_tokens]
         assert self.structured_output is not None
-        return self.structured_output.grammar_bitmask(sampling)
+        return self.structured_output.grammar_bitmask(sampling, scheduler_output.scheduled_spec_decode_tokens)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -248,8 +257,11 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request itself was preempted
                 continue
-            plan.cached.append(CachedRequestData(request.request_id, False, new_blocks.get_block_ids(),
-                                                 request.num_computed_tokens, _unsent_tokens(request)))
+            block_ids = new_blocks.get_block_ids()
+            num_kept = len(self.kv.get_block_ids(request.request_id)) - len(block_ids)
+            plan.cached.append(CachedRequestData(request.request_id, False, block_ids,
+                                                 request.num_computed_tokens, _unsent_tokens(request),
+                                                 num_kept_blocks=num_kept))
             plan.tokens[request.request_id] = num_new
             plan.budget -= num_new
             if num_new > num_unsent:
@@ -329,6 +341,8 @@ class Scheduler:
             if drafts and sampled:  # the rejected drafts' KV is not the request's: recompute from there
                 request.num_computed_tokens -= num_rejected(drafts, sampled)
                 self.spec_decode.record(len(drafts), len(sampled) - 1)
+                self.draft_backoff.record(req_id, len(drafts), len(sampled) - 1,
+                                          request.num_output_tokens + len(sampled))
             pooled = runner_output.pooled.get(req_id)
             num_before = request.num_output_tokens
             worker_error = runner_output.errors.get(req_id)
@@ -362,9 +376,12 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
             elif self.config.num_speculative_tokens:
+                if drafts and sampled:  # the rejected drafts' slots go back to the pool now
+                    self.kv.free_excess(request, request.num_tokens)
+                proposed = (runner_output.spec_token_ids.get(req_id, [])
+                            if self.draft_backoff.allows(req_id, request.num_output_tokens) else [])
                 request.spec_token_ids = usable_drafts(
-                    request, runner_output.spec_token_ids.get(req_id, [])[: self.config.num_speculative_tokens],
-                    self.config.max_model_len)
+                    request, proposed[: self.config.num_speculative_tokens], self.config.max_model_len)
         return outputs
 
     def _append_and_check(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:

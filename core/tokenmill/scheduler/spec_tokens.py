@@ -4,25 +4,46 @@ its next step, and what verifying them did.
 A request in decode has ``num_tokens - num_computed_tokens == 1`` (its last sampled token);
 with drafts it schedules ``1 + len(drafts)`` tokens, which the token budget counts and
 ``allocate_slots`` gives KV slots. After the step, the drafts the target rejected are taken
-back off ``num_computed_tokens`` (their KV slots are overwritten by the next step's tokens,
-in blocks the request keeps), so ``cache_blocks`` never publishes a speculative token.
+back off ``num_computed_tokens``, so ``cache_blocks`` never publishes a speculative token, and
+the blocks that held only rejected drafts go back to the pool (``KVCacheManager.free_excess``;
+the workers cut their block tables to ``CachedRequestData.num_kept_blocks``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.request import Request
 
+if TYPE_CHECKING:
+    from tokenmill.structured_output.backend import GrammarMatcher
+
 
 def usable_drafts(request: Request, proposed: list[int], max_model_len: int) -> list[int]:
-    """The drafts worth verifying: none for a request with a grammar (its bitmask covers one
-    position), and no more than its length limits leave room to accept (the token after the
-    last accepted draft is sampled too, so ``max_tokens - 1`` drafts at most)."""
-    if request.grammar is not None or request.pooling is not None:
+    """The drafts worth verifying: no more than the request's length limits leave room to
+    accept (the token after the last accepted draft is sampled too, so ``max_tokens - 1``
+    drafts at most), and for a request with a grammar, those before the first one the grammar
+    forbids (its matcher is rolled back to where it was)."""
+    if request.pooling is not None:
         return []
     room = min(request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
-    return proposed[: max(0, room)]
+    drafts = proposed[: max(0, room)]
+    if request.grammar is not None and drafts:
+        drafts = drafts[: grammar_valid_prefix(request.grammar, drafts)]
+    return drafts
+
+
+def grammar_valid_prefix(matcher: GrammarMatcher, tokens: list[int]) -> int:
+    """How many leading ``tokens`` the grammar accepts, one after the other; the matcher ends
+    where it started."""
+    accepted = 0
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_tokens([token]):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return accepted
 
 
 @dataclass

@@ -20,6 +20,11 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(ge=1, description="Draft tokens proposed per request and step (k)")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix matched")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix matched")
+    min_acceptance_rate: float = Field(
+        0.1, ge=0, le=1, description="A request whose last acceptance_window drafts were accepted less often than "
+        "this decodes its next backoff_tokens tokens without drafts (0: never)")
+    acceptance_window: int = Field(32, ge=1, description="Draft tokens a request's acceptance is judged over")
+    backoff_tokens: int = Field(32, ge=1, description="Tokens decoded without drafts after a low acceptance")
 
     @model_validator(mode="after")
     def _infer_method(self) -> SpeculativeConfig:

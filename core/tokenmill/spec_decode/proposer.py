@@ -32,6 +32,17 @@ class DraftRequest:
 
 
 @dataclass
+class TargetHiddenStates:
+    """The target's final hidden states (the lm_head's input) of one request's positions
+    ``start .. start + len(hidden) - 1`` that a step computed and that hold: prompt tokens and
+    the tokens the target accepted, never a rejected draft's. A view valid during the call."""
+
+    req_id: str
+    start: int
+    hidden: Any  # torch.Tensor [n, hidden_size]
+
+
+@dataclass
 class ProposerContext:
     """What a proposer may need to build itself: the target's vocabulary and context length,
     where it runs, and the engine's plugins (a draft model is loaded through them)."""
@@ -45,10 +56,16 @@ class ProposerContext:
     max_num_seqs: int = 64  # most requests one propose call gets
     block_size: int = 16
     engine_config: Any = None  # the target's EngineConfig (plugin options resolved), to derive a draft's from
+    target_model: Any = None  # the target's model (its embedding and lm_head), for heads that share them
 
 
 class Proposer(Protocol):
-    """Built as ``cls(config, context)`` once per worker that samples."""
+    """Built as ``cls(config, context)`` once per worker that samples.
+
+    A proposer whose class sets ``uses_target_hidden_states = True`` (EAGLE) also has an
+    ``observe(states: list[TargetHiddenStates])`` method, called after every step's
+    sampling and before ``propose``, with the hidden states of every scheduled request
+    (prefill chunks that do not sample included)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Draft tokens per request, in order (an empty list: no guess)."""

@@ -10,8 +10,9 @@ Lifecycle of a constrained request (driven by the scheduler):
    other requests keep running.
 3. ``is_ready`` / ``start``: once compiled, the request gets its matcher and
    joins the waiting queue.
-4. ``grammar_bitmask`` each step for the constrained requests that sample;
-   the scheduler advances each matcher with the sampled token.
+4. ``grammar_bitmask`` each step for the constrained requests that sample
+   (a row per verified position for one that verifies draft tokens); the
+   scheduler advances each matcher with the tokens sampled.
 """
 
 from __future__ import annotations
@@ -126,17 +127,31 @@ class StructuredOutputManager:
         if self._pending:
             wait(list(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
-        """One bitmask row per request, filled by its matcher; ``None`` for no request."""
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
+        """One bitmask row per request, filled by its matcher; ``None`` for no request.
+
+        A request verifying ``drafts`` gets one row per verified position instead (in
+        ``draft_rows``): what the grammar allows after each prefix of its drafts. Its matcher
+        advances through them to fill those rows and is rolled back after."""
         from tokenmill.scheduler.output import GrammarBitmask
 
         if not requests:
             return None
-        bitmask = allocate_bitmask(len(requests), self.vocab_size)
-        for row, request in enumerate(requests):
+        drafts = drafts or {}
+        plain = [r for r in requests if not drafts.get(r.request_id)]
+        verifying = [r for r in requests if drafts.get(r.request_id)]
+        bitmask = allocate_bitmask(len(plain) + sum(1 + len(drafts[r.request_id]) for r in verifying),
+                                   self.vocab_size)
+        for row, request in enumerate(plain):
             assert request.grammar is not None
             request.grammar.fill_bitmask(bitmask, row)
-        return GrammarBitmask(bitmask, {r.request_id: row for row, r in enumerate(requests)})
+        result = GrammarBitmask(bitmask, {r.request_id: row for row, r in enumerate(plain)})
+        row = len(plain)
+        for request in verifying:
+            result.draft_rows[request.request_id] = list(range(row, row + 1 + len(drafts[request.request_id])))
+            row = _fill_draft_rows(request, drafts[request.request_id], bitmask, row)
+        return result
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -147,6 +162,29 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="tokenmill-grammar")
         return self._pool
+
+
+def _fill_draft_rows(request: Request, drafts: list[int], bitmask: Any, row: int) -> int:
+    """Fill rows ``row .. row + len(drafts)`` with what the grammar allows before each draft
+    and after the last; returns the next free row. Past a draft the grammar refuses or after
+    one that completes it (the scheduler cut such drafts already), the rows repeat the last
+    one filled: no token sampled there is kept."""
+    matcher = request.grammar
+    assert matcher is not None
+    last = row + len(drafts)
+    accepted = 0
+    for j, token in enumerate(drafts):
+        matcher.fill_bitmask(bitmask, row + j)
+        if matcher.accept_tokens([token]):
+            accepted += 1
+            if not matcher.is_terminated():
+                continue
+        bitmask[row + j + 1 : last + 1] = bitmask[row + j]
+        break
+    else:
+        matcher.fill_bitmask(bitmask, last)
+    matcher.rollback(accepted)
+    return last + 1
 
 
 def backend_qualname(plugins: PluginManager, name: str) -> str:

@@ -83,6 +83,10 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
+    def truncate_blocks(self, row: int, num_blocks: int) -> None:
+        """Keep the row's first ``num_blocks`` blocks (the scheduler gave back the others)."""
+        self.num_blocks[row] = min(int(self.num_blocks[row]), num_blocks)
+
     def append_token(self, row: int, token_id: int) -> None:
         n = self.num_tokens[row]
         if n < self.max_model_len:

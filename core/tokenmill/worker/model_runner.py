@@ -145,7 +145,7 @@ class ModelRunner:
         self._pool(forward.inputs, forward.hidden, output)
         self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
         if self.spec_decode is not None:
-            self.spec_decode.propose(self.batch, output)
+            self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -183,10 +183,10 @@ class ModelRunner:
             self.batch.add(state)
         for cached in so.scheduled_cached_reqs:
             self._update_cached(cached.req_id, cached.resumed_from_preemption, cached.new_block_ids,
-                                cached.num_computed_tokens, cached.new_token_ids)
+                                cached.num_computed_tokens, cached.new_token_ids, cached.num_kept_blocks)
 
     def _update_cached(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
-                       new_token_ids: list[int]) -> None:
+                       new_token_ids: list[int], num_kept_blocks: int = -1) -> None:
         state = self.requests[req_id]
         state.num_computed_tokens = num_computed
         missing = [] if self.samples else _missing_tokens(state, num_computed, new_token_ids)
@@ -196,8 +196,11 @@ class ModelRunner:
             state.pooled_sum = None  # recomputed from the first token
             self.batch.add(state)
             return
-        state.block_ids.extend(new_block_ids)
         row = self.batch.index_of[req_id]
+        if 0 <= num_kept_blocks < len(state.block_ids):  # blocks of rejected drafts went back to the pool
+            del state.block_ids[num_kept_blocks:]
+            self.batch.truncate_blocks(row, num_kept_blocks)
+        state.block_ids.extend(new_block_ids)
         self.batch.append_blocks(row, new_block_ids)
         self.batch.num_computed_tokens[row] = num_computed
         for token in missing:
@@ -213,7 +216,7 @@ class ModelRunner:
                 grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
         mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]
         if self.spec_decode is not None and self.spec_decode.drafts:  # rows with drafts verify them
-            mask = self.spec_decode.verify(self, inputs, hidden, mask, output)
+            mask = self.spec_decode.verify(self, inputs, hidden, mask, output, grammar)
         sample_rows = inputs.rows[mask]
         if len(sample_rows) == 0:
             return

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.sample import Sampler, SamplingMetadata, compute_logprobs, gather_logprobs
+from tokenmill.sample import Sampler, SamplingMetadata, apply_token_bitmask, compute_logprobs, gather_logprobs
 from tokenmill.sample.rejection_sampler import rejection_sample
-from tokenmill.scheduler.output import ModelRunnerOutput
-from tokenmill.spec_decode.proposer import DraftRequest, Proposer
+from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput
+from tokenmill.spec_decode.proposer import DraftRequest, Proposer, TargetHiddenStates
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import InputBatch
@@ -43,9 +43,10 @@ class SpecDecodeRunner:
             self.proposer.forget(req_ids)
 
     def verify(self, runner: ModelRunner, inputs: StepInputs, hidden: torch.Tensor, mask: np.ndarray,
-               output: ModelRunnerOutput) -> np.ndarray:
+               output: ModelRunnerOutput, grammar: GrammarBitmask | None = None) -> np.ndarray:
         """Verify the drafts of the rows in ``mask`` that carry some; returns ``mask`` without
-        them (the rows left to the ordinary sampler)."""
+        them (the rows left to the ordinary sampler). A constrained request's positions are
+        masked by its grammar's rows for them (``grammar.draft_rows``) first."""
         batch = runner.batch
         with_drafts = mask & np.array([batch.req_ids[r] in self.drafts for r in inputs.rows], dtype=bool)
         if not with_drafts.any():
@@ -57,7 +58,7 @@ class SpecDecodeRunner:
         positions = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)])
         raw = runner.model.compute_logits(hidden[torch.from_numpy(positions).to(runner.device)]).float()
         metadata = _position_metadata(runner, states, drafts)
-        logits = Sampler.apply_logits_processors(raw.clone(), metadata)
+        logits = Sampler.apply_logits_processors(_masked_by_grammar(raw.clone(), grammar, states, drafts), metadata)
         result = rejection_sample(logits, metadata, drafts, [s.generator for s in states])
         logprob_lists = None
         if metadata.max_num_logprobs is not None:
@@ -79,8 +80,12 @@ class SpecDecodeRunner:
             first += len(draft) + 1
         return mask & ~with_drafts
 
-    def propose(self, batch: InputBatch, output: ModelRunnerOutput) -> None:
-        """Drafts for every request that sampled this step, into ``output.spec_token_ids``."""
+    def propose(self, batch: InputBatch, output: ModelRunnerOutput, inputs: StepInputs | None = None,
+                hidden: torch.Tensor | None = None) -> None:
+        """Drafts for every request that sampled this step, into ``output.spec_token_ids``; a
+        proposer that drafts from the target's hidden states first gets those of the step."""
+        if inputs is not None and hidden is not None and getattr(self.proposer, "uses_target_hidden_states", False):
+            self.proposer.observe(self._held_hidden_states(batch, inputs, hidden, output))  # type: ignore[attr-defined]
         requests = []
         for req_id in output.sampled:
             row = batch.index_of.get(req_id)
@@ -95,6 +100,44 @@ class SpecDecodeRunner:
         for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
             if draft:
                 output.spec_token_ids[request.req_id] = [int(t) for t in draft[: request.num_drafts]]
+
+
+    def _held_hidden_states(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor,
+                            output: ModelRunnerOutput) -> list[TargetHiddenStates]:
+        """Per scheduled request, the hidden states of its positions whose tokens hold: all of a
+        prefill chunk's, and of a verifying row the last token's and the accepted drafts'."""
+        states = []
+        for i, row in enumerate(inputs.rows):
+            req_id = batch.req_ids[row]
+            if batch.samples_nothing[row]:
+                continue
+            count = int(inputs.num_scheduled[i])
+            if req_id in self.drafts:
+                count = len(output.sampled.get(req_id, ()))  # the accepted drafts and the token before them
+            if count:
+                first = int(inputs.query_start[i])
+                states.append(TargetHiddenStates(req_id, int(inputs.context_lens[i]), hidden[first : first + count]))
+        return states
+
+
+def _masked_by_grammar(logits: torch.Tensor, grammar: GrammarBitmask | None, states: list[CachedRequestState],
+                       drafts: list[list[int]]) -> torch.Tensor:
+    """``logits`` (one row per verified position) with each constrained request's positions
+    masked by its grammar's row for that position."""
+    if grammar is None or not grammar.draft_rows:
+        return logits
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    first = 0
+    for state, draft in zip(states, drafts, strict=True):
+        rows = grammar.draft_rows.get(state.req_id)
+        if rows is not None:
+            logit_rows += range(first, first + len(rows))
+            mask_rows += rows
+        first += len(draft) + 1
+    if not logit_rows:
+        return logits
+    return apply_token_bitmask(logits, grammar.bitmask[mask_rows], logit_rows)
 
 
 def _position_metadata(runner: ModelRunner, states: list[CachedRequestState],

@@ -167,7 +167,8 @@ def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: 
     speculative = cast(SpeculativeConfig, config.speculative_config)
     context = ProposerContext(engine_config=config, vocab_size=runner.vocab_size, max_model_len=max_model_len, device=runner.device,
                               dtype=runner.dtype, plugins=plugins, platform=platform,
-                              max_num_seqs=runner.batch.max_num_reqs, block_size=runner.block_size)
+                              max_num_seqs=runner.batch.max_num_reqs, block_size=runner.block_size,
+                              target_model=runner.model)
     return SpecDecodeRunner(build_proposer(speculative, plugins, context), speculative.num_speculative_tokens)
 
 
