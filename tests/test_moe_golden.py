@@ -14,6 +14,7 @@ import pytest
 from moe_models import build_moe_model
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy
+from worker_probe import attention_backend
 
 from tokenmill import LLM, SamplingParams
 
@@ -87,6 +88,17 @@ def test_preemption_recomputes_exactly(arch, moe_path, reference):
     outputs = _generate(llm)
     assert llm.engine.scheduler_stats.num_preemptions > 0
     _assert_matches(outputs, reference(arch))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])
+@pytest.mark.parametrize("arch", DEEPSEEK)
+def test_latent_attention_on_each_attention_backend(arch, backend, moe_path, reference):
+    """The decompressed keys and values (values zero-padded to the key size) go through
+    whichever backend serves the paged cache."""
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              attention_backend=backend)
+    assert attention_backend(llm) == backend
+    _assert_matches(_generate(llm), reference(arch))
 
 
 @pytest.mark.parametrize("arch", DEEPSEEK)

@@ -149,3 +149,16 @@ def test_online_quantized_moe_model_agrees_with_transformers_on_dequantised_weig
     assert (completions, logprobs) != greedy_with_logprobs(float_folder, prompts, MAX_NEW), "quantization changed nothing"
     llm = LLM(str(float_folder), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", quantization=scheme)
     assert llm.engine.core.executor.collective_rpc(_expert_dtypes)[0] == {_methods()[scheme][2]}
+
+
+def test_online_quantized_experts_split_over_two_ranks(tmp_path):
+    """Each rank quantizes its own slice (the gate/up rows of its intermediate columns, the
+    down rows over its columns: per-rank scales, so not the one-rank numbers), and the
+    all-reduced model still agrees with transformers on the one-rank dequantised twin."""
+    float_folder = build_moe_model(tmp_path / "float", "mixtral")
+    twin = _dequantised_twin(float_folder, tmp_path / "dequantised", "int8")
+    prompts = _prompts()
+    completions, logprobs = greedy_with_logprobs(float_folder, prompts, MAX_NEW, quantization="int8",
+                                                 tensor_parallel_size=2)
+    agreement = agreement_with_transformers(twin, prompts, completions, logprobs)
+    assert agreement.fraction >= 0.95, agreement
