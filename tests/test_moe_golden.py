@@ -184,3 +184,17 @@ def test_expert_load_counts_every_routed_token(moe_path):
     for layer, load in loads.items():
         assert len(load) == 8 and sum(load) == 2 * computed, layer
         assert 1.0 <= load_imbalance(load) <= 8.0
+
+
+def test_deepseek_v3_skips_the_multi_token_prediction_layer(moe_path, reference, tmp_path):
+    """Published V3 checkpoints carry a layer past ``num_hidden_layers`` for multi-token
+    prediction; decoding does not use it (transformers skips it too)."""
+    import torch
+
+    def add_mtp_layer(tensors):
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        tensors["model.layers.3.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
+
+    folder = _copy_with_tensors(moe_path("deepseek-v3"), tmp_path, add_mtp_layer)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+    _assert_matches(_generate(llm), reference("deepseek-v3"))

@@ -14,7 +14,8 @@
   ``mlp.gate``, loaded into the experts layer), within each token's ``topk_group`` best
   of ``n_group`` groups (a group's two best experts), renormalised with
   ``norm_topk_prob``, scaled by ``routed_scaling_factor``: transformers' router, whatever
-  ``topk_method`` / ``scoring_func`` the config names.
+  ``topk_method`` / ``scoring_func`` the config names. The checkpoints' multi-token-prediction
+  layers (``model.layers.{num_hidden_layers}...``) are skipped, as transformers skips them.
 """
 
 from __future__ import annotations
@@ -69,10 +70,19 @@ class DeepseekForCausalLM(MoEForCausalLM):
     def attention_factory(cls, config: Any) -> AttentionFactory:
         return functools.partial(MLAttention, rope_interleaved=cls.rope_interleaved(config))
 
-    @classmethod
-    def checkpoint_name(cls, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str | None:
+        if _layer_index(name) >= self.config.num_hidden_layers:
+            return None  # V3's multi-token-prediction layers (num_nextn_predict_layers) serve no decoding here
         # the router's correction bias lives in the experts layer, which does the routing
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias")
+
+
+def _layer_index(name: str) -> int:
+    """``model.layers.7.mlp...`` -> 7; -1 for a tensor outside the decoder layers."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return -1
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

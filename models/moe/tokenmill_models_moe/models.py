@@ -70,10 +70,9 @@ class MoEForCausalLM(nn.Module):
         return functools.partial(MoEAttention, qkv_bias=cls.qkv_bias(config), o_bias=cls.o_bias(config),
                                  qk_norm=cls.qk_norm)
 
-    @classmethod
-    def checkpoint_name(cls, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str | None:
         """The name a checkpoint tensor loads under (a family whose checkpoint keeps a tensor
-        elsewhere than this model does renames it)."""
+        elsewhere than this model does renames it), or None for one the model does not use."""
         return name
 
     @classmethod
@@ -98,9 +97,11 @@ class MoEForCausalLM(nn.Module):
         moe_layers = {name: module for name, module in self.named_modules() if isinstance(module, FusedMoE)}
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = self.checkpoint_name(name)
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+            renamed = self.checkpoint_name(name)
+            if renamed is None or "rotary_emb.inv_freq" in renamed or (
+                    self.tie_word_embeddings and renamed.startswith("lm_head.")):
                 continue
+            name = renamed
             owner, experts, rest = name.partition(".experts.")
             if experts and f"{owner}.experts" in moe_layers:
                 param_name = moe_layers[f"{owner}.experts"].load_checkpoint_tensor(rest, tensor)
