@@ -1,6 +1,7 @@
 """Mixture-of-experts models against transformers ``generate`` on the same weights (float32):
 greedy tokens identical, chosen-token logprobs within 1e-3, for 8 prompts of 5 to 60
-tokens; also with chunked prefill, with preemption, and with two tensor-parallel ranks."""
+tokens; also with chunked prefill, with preemption, with prefix-cache hits (DeepSeek's
+latent attention) and with two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import pytest
 from moe_models import build_moe_model
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy
+from worker_probe import attention_backend
 
 from tokenmill import LLM, SamplingParams
 
 MAX_NEW = 12
-ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe"]
+ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2", "deepseek-v3"]
+DEEPSEEK = ["deepseek-v2", "deepseek-v3"]
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +37,27 @@ def moe_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(moe_path):
-    cache: dict[str, list] = {}
+    cache: dict[tuple[str, int], list] = {}
 
-    def get(arch: str) -> list:
-        if arch not in cache:
-            cache[arch] = hf_greedy(moe_path(arch), _prompts(), MAX_NEW)
-        return cache[arch]
+    def get(arch: str, shared_prefix: int = 0) -> list:
+        if (arch, shared_prefix) not in cache:
+            cache[arch, shared_prefix] = hf_greedy(moe_path(arch), _prompts(shared_prefix), MAX_NEW)
+        return cache[arch, shared_prefix]
 
     return get
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(1)
-    return [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 23, 31, 40, 47, 60)]
+    if not shared_prefix:
+        return [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 23, 31, 40, 47, 60)]
+    prefix = [rng.randrange(3, 380) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 23, 31, 40)]
 
 
-def _generate(llm: LLM) -> list:
+def _generate(llm: LLM, prompts: list[list[int]] | None = None) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-    return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+    return llm.generate([{"prompt_token_ids": p} for p in (prompts or _prompts())], params)
 
 
 def _assert_matches(outputs, expected) -> None:
@@ -84,7 +90,30 @@ def test_preemption_recomputes_exactly(arch, moe_path, reference):
     _assert_matches(outputs, reference(arch))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])
+@pytest.mark.parametrize("arch", DEEPSEEK)
+def test_latent_attention_on_each_attention_backend(arch, backend, moe_path, reference):
+    """The decompressed keys and values (values zero-padded to the key size) go through
+    whichever backend serves the paged cache."""
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              attention_backend=backend)
+    assert attention_backend(llm) == backend
+    _assert_matches(_generate(llm), reference(arch))
+
+
+@pytest.mark.parametrize("arch", DEEPSEEK)
+def test_prefix_cache_hits_with_chunked_prefill_match_transformers(arch, moe_path, reference):
+    """The latent attention caches decompressed per-head keys and values in the ordinary
+    paged layout: a later request reuses the blocks of a 40-token shared prefix."""
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
+              max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts = _prompts(shared_prefix=40)
+    outputs = _generate(llm, prompts[:1]) + _generate(llm, prompts[1:])
+    _assert_matches(outputs, reference(arch, shared_prefix=40))
+    assert all(out.num_cached_tokens >= 32 for out in outputs[1:]), [o.num_cached_tokens for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe", "deepseek-v3"])
 def test_two_tensor_parallel_ranks_match_transformers(arch, moe_path, reference):
     """Each rank holds half of every expert's intermediate columns (and of the shared
     expert's); the all-reduced outputs give transformers' tokens, with chunked prefill and
@@ -155,3 +184,17 @@ def test_expert_load_counts_every_routed_token(moe_path):
     for layer, load in loads.items():
         assert len(load) == 8 and sum(load) == 2 * computed, layer
         assert 1.0 <= load_imbalance(load) <= 8.0
+
+
+def test_deepseek_v3_skips_the_multi_token_prediction_layer(moe_path, reference, tmp_path):
+    """Published V3 checkpoints carry a layer past ``num_hidden_layers`` for multi-token
+    prediction; decoding does not use it (transformers skips it too)."""
+    import torch
+
+    def add_mtp_layer(tensors):
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        tensors["model.layers.3.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
+
+    folder = _copy_with_tensors(moe_path("deepseek-v3"), tmp_path, add_mtp_layer)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory="32MiB")
+    _assert_matches(_generate(llm), reference("deepseek-v3"))

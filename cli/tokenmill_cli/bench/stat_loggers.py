@@ -19,11 +19,14 @@ def attach_stat_loggers(backend: Any, model_name: str) -> bool:
         return False
     from prometheus_client import CollectorRegistry
 
+    from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads
     from tokenmill.metrics.logging_logger import LoggingStatLogger
     from tokenmill.metrics.prometheus import PrometheusStatLogger
 
     # a private registry: nothing is exported, but every value is recorded as a server records it
-    llm.engine.stat_loggers.extend([PrometheusStatLogger(model_name, CollectorRegistry()), LoggingStatLogger()])
+    registry = CollectorRegistry()
+    llm.engine.stat_loggers.extend([PrometheusStatLogger(model_name, registry), LoggingStatLogger(),
+                                    ExpertLoadStatLogger(lambda: engine_expert_loads(llm.engine), model_name, registry)])
     return True
 
 

@@ -27,6 +27,7 @@ from tokenmill_cli.bench.datasets import (
     canonical_name,
     load_dataset,
 )
+from tokenmill_cli.bench.expert_load import EXPERT_LOAD_ROWS, backend_expert_loads, expert_load_json
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord, compute_metrics
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import roofline_json, useful_flops
@@ -78,8 +79,10 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
     if opts.background_load:  # the same workload on the quiet machine first, to compare against
         quiet_records, quiet_duration, _, _ = _timed_run(backend, requests, opts)
         quiet = compute_metrics(quiet_records, quiet_duration, opts.percentiles).as_json()
+    loads_before = backend_expert_loads(backend)
     with background_load(opts.background_load, opts.background_kind):
         records, duration, counters, stat_logging_s = _timed_run(backend, requests, opts)
+    expert_load = expert_load_json(loads_before, backend_expert_loads(backend))
     memory = memory_json()  # before the peak measurement's matrices can raise the peaks
     # Measured after the run, not before: start-up work still running in the background
     # (the CPU platform's KV prefault) would share the cores and understate the peak.
@@ -110,6 +113,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "prefix_cache_hit_rate": counters.prefix_hit_rate,
         "num_preemptions": counters.preemptions,
         **counters.spec_decode_json(engine_kwargs),
+        **expert_load,
         **memory,
         "startup_s": startup_s,
         "engine_args": engine_kwargs,
@@ -180,6 +184,7 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Preemptions", "num_preemptions", "d"),
     ("Draft acceptance rate", "spec_decode_acceptance_rate", ".1%"),
     ("Mean accepted length", "spec_decode_mean_accepted_length", ".2f"),
+    *EXPERT_LOAD_ROWS,
     ("Time in stat logging", "stat_logging_fraction", ".2%"),
     ("Achieved GFLOP/s (useful)", "achieved_gflops", ".2f"),
     ("Peak GFLOP/s", "peak_gflops", ".1f"),

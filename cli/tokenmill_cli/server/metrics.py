@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, ProcessCollector, generate_latest
 from starlette.responses import Response
 
+from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads
 from tokenmill.metrics.logging_logger import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill_cli.server.settings import ServerSettings
@@ -56,6 +57,9 @@ class ServerMetrics:
         engine.admission.on_reject = self.reject
         if settings.enable_metrics:
             engine.add_stat_logger(PrometheusStatLogger(self.model_name, self.registry))
+            # read in the engine's thread, at most every 10 s; a model without experts stops it at once
+            engine.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(engine.engine), self.model_name,
+                                                        self.registry))
         if settings.log_stats:
             engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval))
 

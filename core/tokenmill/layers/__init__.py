@@ -25,6 +25,7 @@ from tokenmill.layers.moe import (
     expert_load_by_layer,
     load_imbalance,
 )
+from tokenmill.layers.moe_quantization import OnlineQuantizedMoEMethod, quantize_experts
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.online_quantization import add_float_weight, quantize_loaded_weight
@@ -69,6 +70,7 @@ __all__ = [
     "MoERouting",
     "ModelBuildContext",
     "NativeLayerOps",
+    "OnlineQuantizedMoEMethod",
     "OutputShardLoader",
     "ParallelLMHead",
     "PipelineStage",
@@ -91,6 +93,7 @@ __all__ = [
     "load_weight",
     "make_layers",
     "on_stage",
+    "quantize_experts",
     "quantize_loaded_weight",
     "register_layer_ops",
     "rope_inverse_frequencies",

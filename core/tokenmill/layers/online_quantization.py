@@ -18,9 +18,10 @@ WeightQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  #
 
 def add_float_weight(layer: Linear, input_size: int, output_partition_sizes: list[int],
                      params_dtype: torch.dtype) -> None:
-    """The float ``weight`` the checkpoint loads into, before it is quantized."""
+    """The float ``weight`` the checkpoint loads into, before it is quantized (split as a float
+    layer's is under tensor parallelism: by output rows, or by input columns when row-parallel)."""
     layer.add_parameter("weight", torch.empty(sum(output_partition_sizes), input_size, dtype=params_dtype),
-                        output_dim=0)
+                        output_dim=0, input_dim=1)
 
 
 def quantize_loaded_weight(layer: Linear, quantize: WeightQuantizer) -> None:

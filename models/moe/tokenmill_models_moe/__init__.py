@@ -1,4 +1,4 @@
-"""Mixture-of-experts model plugin: Mixtral, Qwen2-MoE and Qwen3-MoE decoders.
+"""Mixture-of-experts model plugin: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and -V3 decoders.
 
 This module is the entry point: it imports no torch; the classes load lazily.
 """
@@ -12,6 +12,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": f"{_MODULE}:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": f"{_MODULE}:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": f"{_MODULE}:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "tokenmill_models_moe.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "tokenmill_models_moe.deepseek:DeepseekV3ForCausalLM",
 }
 
 

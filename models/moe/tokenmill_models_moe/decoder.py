@@ -1,17 +1,20 @@
-"""The decoder MoE families share: Llama-style attention, then a sparse MoE block (or, in
-the layers a config leaves dense, a plain SiLU MLP).
+"""The decoder MoE families share: an attention block (Llama-style by default, DeepSeek's
+latent attention in :mod:`.mla`), then a sparse MoE block (or, in the layers a config
+leaves dense, a plain SiLU MLP).
 
 The attention is the Llama family's (q/k/v merged into one column-parallel matmul,
 o_proj row-parallel, optional q/k bias and per-head q/k RMSNorm), rebuilt here from
 ``tokenmill.layers`` because a plugin imports only the public surface, never another
 plugin's package. The MoE block is the router (a replicated float linear layer, as
 checkpoints keep it unquantized), :class:`tokenmill.layers.FusedMoE` and, for
-Qwen2-MoE, a shared expert scaled by the sigmoid of its own one-output gate.
+Qwen2-MoE, a shared expert scaled by the sigmoid of its own one-output gate (DeepSeek's
+shared experts are added ungated).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +48,12 @@ class MoEShape:
     expert_names: tuple[str, str, str]  # the checkpoint's (gate, up, down) names of an expert
     shared_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = frozenset()  # the layers with experts; the others are dense
+    shared_expert_name: str = "shared_expert"  # the checkpoint's: "shared_expert" (Qwen), "shared_experts" (DeepSeek)
+    shared_expert_gated: bool = True  # scaled by the sigmoid of a one-output gate (Qwen2-MoE)
+
+
+# builds a layer's attention block: (config, layer_index, ctx) -> module(positions, hidden, metadata)
+AttentionFactory = Callable[[Any, int, ModelBuildContext], nn.Module]
 
 
 def _sliding_window(config: Any, layer_index: int) -> int | None:
@@ -115,25 +124,31 @@ class SparseMoEBlock(nn.Module):
                            quant_method=UnquantizedLinearMethod())
         self.experts = FusedMoE(shape.num_experts, config.hidden_size, shape.intermediate_size, shape.routing,
                                 ctx=ctx.child("experts"), expert_names=shape.expert_names)
-        self.shared_expert: DenseMLP | None = None
+        # the shared expert is registered under the checkpoint's name for it
+        self.shared_name = shape.shared_expert_name if shape.shared_intermediate_size else None
         self.shared_expert_gate: Linear | None = None
-        if shape.shared_intermediate_size:
-            self.shared_expert = DenseMLP(config.hidden_size, shape.shared_intermediate_size, ctx.child("shared_expert"))
-            self.shared_expert_gate = Linear(config.hidden_size, 1, ctx=ctx.child("shared_expert_gate"),
-                                             quant_method=UnquantizedLinearMethod())
+        if self.shared_name is not None:
+            self.add_module(self.shared_name, DenseMLP(config.hidden_size, shape.shared_intermediate_size,
+                                                       ctx.child(self.shared_name)))
+            if shape.shared_expert_gated:
+                self.shared_expert_gate = Linear(config.hidden_size, 1, ctx=ctx.child("shared_expert_gate"),
+                                                 quant_method=UnquantizedLinearMethod())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + F.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return out
+        if self.shared_name is None:
+            return out
+        shared = getattr(self, self.shared_name)(hidden)
+        if self.shared_expert_gate is not None:
+            shared = F.sigmoid(self.shared_expert_gate(hidden)) * shared
+        return out + shared
 
 
 class MoEDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, shape: MoEShape,
-                 attention_flags: dict[str, bool]) -> None:
+                 attention: AttentionFactory) -> None:
         super().__init__()
-        self.self_attn = MoEAttention(config, layer_index, ctx.child("self_attn"), **attention_flags)
+        self.self_attn = attention(config, layer_index, ctx.child("self_attn"))
         sparse = layer_index in shape.sparse_layers
         # named as the checkpoint names the block: ``block_sparse_moe`` (Mixtral) or ``mlp``
         self.mlp_name = shape.module_name if sparse else "mlp"
@@ -158,12 +173,12 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    def __init__(self, config: Any, ctx: ModelBuildContext, shape: MoEShape, attention_flags: dict[str, bool]) -> None:
+    def __init__(self, config: Any, ctx: ModelBuildContext, shape: MoEShape, attention: AttentionFactory) -> None:
         super().__init__()
         _check_silu(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx=ctx.child("embed_tokens"),
                                            parallel=True)
-        self.layers = nn.ModuleList(MoEDecoderLayer(config, i, ctx.child(f"layers.{i}"), shape, attention_flags)
+        self.layers = nn.ModuleList(MoEDecoderLayer(config, i, ctx.child(f"layers.{i}"), shape, attention)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -11,6 +11,7 @@ saying how its config describes the experts (:meth:`MoEForCausalLM.moe_shape`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -27,7 +28,7 @@ from tokenmill.layers import (
     load_weight,
 )
 from tokenmill.plugin_api import AttentionMetadata
-from tokenmill_models_moe.decoder import MoEModel, MoEShape
+from tokenmill_models_moe.decoder import AttentionFactory, MoEAttention, MoEModel, MoEShape
 
 # checkpoint projection name -> (merged parameter, shard index)
 _STACKED = {
@@ -41,15 +42,17 @@ _STACKED = {
 
 class MoEForCausalLM(nn.Module):
     """Built as ``Model(hf_config, ctx=ctx)``; the checkpoint's names start at ``model.``
-    and ``lm_head``. A subclass gives :meth:`moe_shape` and its attention flags."""
+    and ``lm_head``. A subclass gives :meth:`moe_shape` and its attention flags (or its
+    own attention block, :meth:`attention_factory`)."""
 
     qk_norm: ClassVar[bool] = False
+    # checkpoint projection name -> (merged parameter, shard index)
+    stacked_params: ClassVar[dict[str, tuple[str, int]]] = _STACKED
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
         self.config = config
-        flags = {"qkv_bias": self.qkv_bias(config), "o_bias": self.o_bias(config), "qk_norm": self.qk_norm}
-        self.model = MoEModel(config, ctx.child("model"), self.moe_shape(config), flags)
+        self.model = MoEModel(config, ctx.child("model"), self.moe_shape(config), self.attention_factory(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_method = UnquantizedLinearMethod() if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx=ctx.child("lm_head"),
@@ -60,6 +63,17 @@ class MoEForCausalLM(nn.Module):
     @classmethod
     def moe_shape(cls, config: Any) -> MoEShape:
         raise NotImplementedError
+
+    @classmethod
+    def attention_factory(cls, config: Any) -> AttentionFactory:
+        """The layers' attention: Llama-style, with this family's bias and q/k-norm flags."""
+        return functools.partial(MoEAttention, qkv_bias=cls.qkv_bias(config), o_bias=cls.o_bias(config),
+                                 qk_norm=cls.qk_norm)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name a checkpoint tensor loads under (a family whose checkpoint keeps a tensor
+        elsewhere than this model does renames it), or None for one the model does not use."""
+        return name
 
     @classmethod
     def qkv_bias(cls, config: Any) -> bool:
@@ -83,8 +97,11 @@ class MoEForCausalLM(nn.Module):
         moe_layers = {name: module for name, module in self.named_modules() if isinstance(module, FusedMoE)}
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+            renamed = self.checkpoint_name(name)
+            if renamed is None or "rotary_emb.inv_freq" in renamed or (
+                    self.tie_word_embeddings and renamed.startswith("lm_head.")):
                 continue
+            name = renamed
             owner, experts, rest = name.partition(".experts.")
             if experts and f"{owner}.experts" in moe_layers:
                 param_name = moe_layers[f"{owner}.experts"].load_checkpoint_tensor(rest, tensor)
@@ -93,8 +110,8 @@ class MoEForCausalLM(nn.Module):
             module_path, _, leaf = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
             shard: int | None = None
-            if proj in _STACKED:
-                merged, shard = _STACKED[proj]
+            if proj in self.stacked_params:
+                merged, shard = self.stacked_params[proj]
                 name = f"{parent}.{merged}.{leaf}"
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")

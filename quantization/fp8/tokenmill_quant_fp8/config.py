@@ -6,7 +6,8 @@
   for block-wise scales; ``ignored_layers`` (or transformers' name for it,
   ``modules_to_not_convert``): checkpoint prefixes left float.
 * no ``quantization_config`` (``LLM(..., quantization="fp8")`` on a float
-  checkpoint): every linear layer but the lm_head is quantized at load, per channel.
+  checkpoint): every linear layer but the lm_head is quantized at load, per channel, and
+  every MoE layer's experts per expert and channel (:mod:`tokenmill_quant_fp8.moe`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokenmill_quant_fp8.method import (
     Fp8LinearMethod,
     Fp8OnlineLinearMethod,
 )
+from tokenmill_quant_fp8.moe import Fp8OnlineMoEMethod
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
@@ -64,3 +66,13 @@ class Fp8Config(QuantizationConfig):
         if self.weight_block_size is not None:
             return Fp8BlockLinearMethod(self.weight_block_size)
         return Fp8LinearMethod(static_input=self.activation_scheme == "static")
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Fp8OnlineMoEMethod | None:
+        """Online: every expert quantized per channel. A serialized checkpoint's FP8 experts
+        are not read yet (refused by name, rather than loaded as if float)."""
+        if not self.serialized:
+            return Fp8OnlineMoEMethod()
+        if self.is_ignored(prefix):
+            return None
+        raise ValueError(f"fp8: the checkpoint's FP8 experts ({prefix}) are not supported yet; "
+                         "quantize a float checkpoint at load instead (quantization='fp8')")

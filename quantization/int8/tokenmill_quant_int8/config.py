@@ -9,7 +9,8 @@ weights per channel (static) and 8-bit symmetric int activations per token
 (dynamic). Anything else is refused by name, so a checkpoint never runs with a
 scheme that is not the one it was quantized with. ``quant_method: "int8_w8a8"``
 takes the same fields. No ``quantization_config`` (``LLM(..., quantization="int8")``
-on a float checkpoint): every linear layer but the lm_head is quantized at load.
+on a float checkpoint): every linear layer but the lm_head is quantized at load, and every
+MoE layer's experts per expert and channel (:mod:`tokenmill_quant_int8.moe`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from tokenmill.layers import QuantizationConfig
 from tokenmill_quant_int8.method import Int8OnlineLinearMethod, Int8W8A8LinearMethod
+from tokenmill_quant_int8.moe import Int8OnlineMoEMethod
 
 SUPPORTED_FORMAT = "int-quantized"
 WEIGHTS = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
@@ -56,6 +58,16 @@ class Int8W8A8Config(QuantizationConfig):
             # The logits are where rounding shows most and the lm_head is one layer of many: keep it float.
             return None if prefix.split(".")[-1] == "lm_head" else Int8OnlineLinearMethod()
         return None if self.is_ignored(prefix) else Int8W8A8LinearMethod()
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Int8OnlineMoEMethod | None:
+        """Online: every expert quantized per channel. A serialized checkpoint's INT8 experts
+        are not read yet (refused by name, rather than loaded as if float)."""
+        if not self.serialized:
+            return Int8OnlineMoEMethod()
+        if self.is_ignored(prefix):
+            return None
+        raise ValueError(f"int8: the checkpoint's INT8 experts ({prefix}) are not supported yet; "
+                         "quantize a float checkpoint at load instead (quantization='int8')")
 
 
 def check_w8a8_scheme(config: dict[str, Any]) -> None:

@@ -1,0 +1,73 @@
+"""Quantized experts for the FusedMoE quant-method slot, shared by the quantization plugins.
+
+:class:`OnlineQuantizedMoEMethod` is what ``quantization="fp8"`` / ``"int8"`` do to a MoE
+layer of a float checkpoint: the stacked float experts load as a float layer's would
+(every checkpoint layout :class:`tokenmill.layers.FusedMoE` takes), then each expert's
+``gate_up_proj`` ``[2I, H]`` and ``down_proj`` ``[H, I]`` are quantized per output channel
+(one scale per row, per expert: ``gate_up_proj_scale`` ``[E, 2I]``, ``down_proj_scale``
+``[E, H]``) and the float copies dropped. A plugin supplies its quantizer (the one its
+linear layers use) and its quantized matmul (activations rounded per token, its kernel).
+
+The experts run one at a time, over those that got tokens (the float reference's loop):
+a grouped quantized kernel (the Triton FP8/INT8 variant) is a later step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from tokenmill.layers.ops import layer_ops
+
+if TYPE_CHECKING:
+    from tokenmill.layers.moe import FusedMoE
+
+# an expert's float weight [N, K] -> (quantized [N, K], float32 scale per row [N])
+ExpertQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (activations [M, K], quantized weight [N, K], its row scales [N]) -> [M, N] in the activations' dtype
+QuantizedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+class OnlineQuantizedMoEMethod:
+    """Float experts loaded, then quantized per expert and output channel by ``quantize``;
+    run by ``matmul``."""
+
+    def __init__(self, quantize: ExpertQuantizer, matmul: QuantizedMatmul) -> None:
+        self.quantize = quantize
+        self.matmul = matmul
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
+                       intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
+        from tokenmill.layers.moe import UnquantizedFusedMoEMethod
+
+        UnquantizedFusedMoEMethod().create_weights(layer, num_experts, hidden_size, intermediate_size_per_rank,
+                                                   params_dtype)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        for name in EXPERT_WEIGHTS:
+            weight, scale = quantize_experts(cast(torch.Tensor, getattr(layer, name)).data, self.quantize)
+            layer.add_parameter(name, weight)
+            layer.add_parameter(f"{name}_scale", scale)
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
+        s13, s2 = cast(torch.Tensor, layer.gate_up_proj_scale), cast(torch.Tensor, layer.down_proj_scale)
+        ops = layer_ops(x.device)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slot = torch.where(topk_ids == expert)
+            hidden = ops.silu_and_mul(self.matmul(x[tokens], w13[expert], s13[expert]))
+            hidden = self.matmul(hidden, w2[expert], s2[expert]) * topk_weights[tokens, slot, None]
+            out.index_add_(0, tokens, hidden.to(out.dtype))
+        return out
+
+
+def quantize_experts(weight: torch.Tensor, quantize: ExpertQuantizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked float experts ``[E, N, K]`` -> ``(quantized [E, N, K], scales [E, N])``, expert by expert."""
+    pairs = [quantize(weight[expert]) for expert in range(weight.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s.reshape(-1).float() for _, s in pairs])

@@ -1,0 +1,93 @@
+"""Expert load of mixture-of-experts models: tokens routed to each expert, per MoE layer.
+
+Every :class:`tokenmill.layers.FusedMoE` counts its routed tokens on the device (one
+bincount a step, ``expert_load``); reading them costs a device sync and, with several
+ranks, one round trip to every worker, so nothing reads them per step.
+:func:`engine_expert_loads` reads them once (from the engine's thread, between steps);
+:class:`ExpertLoadStatLogger` does so at most every ``interval_s`` for Prometheus, and
+``tokenmill bench throughput`` before and after its run.
+
+The counters only ever grow (readers here take differences, never reset them), so several
+readers never take counts from each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from tokenmill.layers.moe import load_imbalance
+from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
+
+ExpertLoads = dict[str, list[int]]  # MoE layer prefix -> tokens routed to each of its experts
+
+
+def worker_expert_loads(worker: Any) -> ExpertLoads:
+    """On a worker (through ``collective_rpc``): its model's counters, read without a reset."""
+    from tokenmill.layers import expert_load_by_layer
+
+    return expert_load_by_layer(worker.runner.model)
+
+
+def engine_expert_loads(engine: Any) -> ExpertLoads:
+    """The counters of ``engine``'s (an ``LLMEngine``) model, every rank's merged: tensor-
+    parallel ranks route alike (the first answer is kept), pipeline stages hold different
+    layers. Empty for a model without MoE layers. Call it from the engine's thread."""
+    loads: ExpertLoads = {}
+    for rank_loads in engine.core.executor.collective_rpc(worker_expert_loads):
+        for layer, load in rank_loads.items():
+            loads.setdefault(layer, load)
+    return loads
+
+
+def loads_since(after: ExpertLoads, before: ExpertLoads) -> ExpertLoads:
+    """Tokens each expert got between two reads."""
+    return {layer: [n - m for n, m in zip(load, before.get(layer, [0] * len(load)), strict=True)]
+            for layer, load in after.items()}
+
+
+class ExpertLoadStatLogger:
+    """Prometheus series of the expert load, refreshed at most every ``interval_s``:
+
+    * ``tokenmill:moe_expert_tokens_total{layer, expert}``: tokens routed to the expert
+      (a counter: layers x experts series, 256 a layer for DeepSeek-V3);
+    * ``tokenmill:moe_expert_load_imbalance{layer}``: max over mean tokens per expert over
+      the last interval that routed any.
+
+    ``read`` returns the current counters (:func:`engine_expert_loads` of the engine); a
+    model whose first read finds no MoE layer is not read again."""
+
+    def __init__(self, read: Callable[[], ExpertLoads], model_name: str, registry: CollectorRegistry = REGISTRY,
+                 interval_s: float = 10.0) -> None:
+        self.read = read
+        self.model = model_name
+        self.interval_s = interval_s
+        mode: Literal["livemax"] = "livemax"
+        self.tokens = Counter("tokenmill:moe_expert_tokens", "Tokens routed to each expert, per MoE layer",
+                              ["model_name", "layer", "expert"], registry=registry)
+        self.imbalance = Gauge("tokenmill:moe_expert_load_imbalance",
+                               "Max over mean tokens per expert in the last interval, per MoE layer",
+                               ["model_name", "layer"], registry=registry, multiprocess_mode=mode)
+        self._last: ExpertLoads = {}
+        self._next_read = 0.0  # the first step reads
+        self._enabled = True
+
+    def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
+        now = time.monotonic()
+        if not self._enabled or now < self._next_read:
+            return
+        self._next_read = now + self.interval_s
+        loads = self.read()
+        if not loads:
+            self._enabled = False
+            return
+        for layer, load in loads_since(loads, self._last).items():
+            for expert, tokens in enumerate(load):
+                if tokens > 0:
+                    self.tokens.labels(self.model, layer, str(expert)).inc(tokens)
+            if sum(load):
+                self.imbalance.labels(self.model, layer).set(load_imbalance(load))
+        self._last = loads
