@@ -134,3 +134,11 @@ def cross_encoder_logits(folder: Path, pairs: list[tuple[str, str]]) -> torch.Te
     batch = tokenizer([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt")
     with torch.no_grad():
         return model(**batch).logits
+
+
+def classifier_logits(folder: Path, texts: list[str]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**AutoTokenizer.from_pretrained(folder)(texts, padding=True, return_tensors="pt")).logits
