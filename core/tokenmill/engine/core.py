@@ -50,7 +50,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.platform)
         self.checkpoint = load_checkpoint(config.model or default_model(self.plugins), self.plugins, self.platform,
                                           self.dtype, config.revision, config.tokenizer)
-        self.max_model_len = _max_model_len(config, self.checkpoint, registered_model_spec(self.checkpoint, self.plugins))
+        self.max_model_len = _max_model_len(config, self.checkpoint,
+                                            registered_model_spec(self.checkpoint, self.plugins))
         self.runner = choose_runner(config, self.checkpoint, self.plugins)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
@@ -69,7 +70,9 @@ class EngineCore:
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
                                                   checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()
-        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # An encoder's blocks hold no KV and its requests never look a prefix up: hashing them is waste.
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                         config.enable_prefix_caching and not self.runner.is_encoder)
         self._model_info = self._describe_model()
         self.structured_output = StructuredOutputManager.from_plugins(
             self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, self._model_info.vocab_size,
