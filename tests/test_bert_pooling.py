@@ -166,6 +166,7 @@ def test_bench_embed_runs_both_sides_on_the_same_sentences(tmp_path):
     assert numbers["num_sentences"] == 12 and 8 <= numbers["tokens_min"] <= numbers["tokens_max"] <= 24
     assert numbers["min_cosine"] >= 0.9999  # both sides embedded the same sentences alike
     assert numbers["speedup"] == pytest.approx(numbers["tokenmill_sentences_per_s"] / numbers["hf_sentences_per_s"])
+    assert numbers["cpu_speedup"] == pytest.approx(numbers["hf_cpu_s_per_pass"] / numbers["tokenmill_cpu_s_per_pass"])
 
 
 @pytest.mark.parametrize("architecture", ["RobertaModel", "XLMRobertaModel"])
