@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bert_models import build_bert, cross_encoder_logits, sentence_transformers_embeddings
+from bert_models import build_bert, build_roberta, cross_encoder_logits, sentence_transformers_embeddings
 
 from tokenmill import LLM, InvalidRequestError, SamplingParams
 
@@ -166,3 +166,34 @@ def test_bench_embed_runs_both_sides_on_the_same_sentences(tmp_path):
     assert numbers["num_sentences"] == 12 and 8 <= numbers["tokens_min"] <= numbers["tokens_max"] <= 24
     assert numbers["min_cosine"] >= 0.9999  # both sides embedded the same sentences alike
     assert numbers["speedup"] == pytest.approx(numbers["tokenmill_sentences_per_s"] / numbers["hf_sentences_per_s"])
+    assert numbers["cpu_speedup"] == pytest.approx(numbers["hf_cpu_s_per_pass"] / numbers["tokenmill_cpu_s_per_pass"])
+
+
+@pytest.mark.parametrize("architecture", ["RobertaModel", "XLMRobertaModel"])
+def test_roberta_embeddings_read_positions_past_the_padding_rows(tmp_path, architecture):
+    folder = build_roberta(tmp_path / "roberta", architecture, pooling="mean")  # 64 positions, table of 66
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.engine.model_info.max_model_len == 64
+    # <s> a, cat... </s>: every usable position, the last table row included (" cat" is one token)
+    longest = "a" + " cat" * (64 - len(llm.get_tokenizer()("a")["input_ids"]))
+    texts = ["the cat is on the mat", "a dog", "what is the capital of france?", "paris", longest]
+    ours = torch.tensor([o.embedding for o in llm.embed(texts)])
+    assert len(llm.embed(longest)[0].prompt_token_ids) == 64
+    expected = sentence_transformers_embeddings(folder, texts, "mean", normalize=False)
+    assert torch.allclose(ours, expected, atol=1e-4)
+    with pytest.raises(InvalidRequestError, match="64 positions"):
+        llm.embed(longest + " cat")
+
+
+@pytest.mark.parametrize("architecture", ["RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"])
+def test_roberta_cross_encoder_scores_equal_transformers_logits(tmp_path, architecture):
+    folder = build_roberta(tmp_path / "ce", architecture, num_labels=1, seed=3)
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.engine.model_info.classifies
+    query = "what is the capital of france?"
+    documents = ["paris is the capital of france", "the cat sleeps on the mat", "a big red dog runs in the park",
+                 "france", "music"]
+    scores = torch.tensor([o.outputs.score for o in llm.score(query, documents)])
+    expected = cross_encoder_logits(folder, [(query, d) for d in documents])[:, 0]
+    assert torch.allclose(scores, expected, atol=1e-4)
+    assert scores.argsort().tolist() == expected.argsort().tolist()

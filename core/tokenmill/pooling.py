@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tokenmill.errors import InvalidRequestError
 
 # pooling_mode_* key of 1_Pooling/config.json -> the engine's pooling type
@@ -74,10 +76,11 @@ def finish_embedding(vector: list[float], config: PoolerConfig | None, dimension
     if dimensions is not None:
         check_dimensions(config, len(vector), dimensions)
         vector = vector[:dimensions]
-    if config is not None and config.normalize:
-        norm = math.sqrt(sum(x * x for x in vector))
+    if config is not None and config.normalize:  # numpy: a Python loop over the floats cost 2% of MiniLM's run
+        array = np.asarray(vector, dtype=np.float64)
+        norm = math.sqrt(float(array @ array))
         if norm > 0:
-            vector = [x / norm for x in vector]
+            vector = (array / norm).tolist()
     return vector
 
 

@@ -1,6 +1,6 @@
 """The pooling routes over real HTTP: ``/v1/embeddings`` on all-MiniLM-L6-v2 through the official
 openai client (against sentence-transformers-style pooling with transformers), ``/v1/rerank``,
-``/v1/score`` and ``/classify`` on a tiny random cross-encoder (against transformers' logits), the
+``/v1/score``, ``/classify`` and ``/pooling`` on a tiny random cross-encoder (``/pooling`` also on MiniLM) (against transformers' logits), the
 400s of requests a model's runner does not serve, and schemathesis on the new routes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import openai
 import pytest
 import schemathesis
 import torch
-from bert_models import build_bert, cross_encoder_logits, sentence_transformers_embeddings
+from bert_models import build_bert, classifier_logits, cross_encoder_logits, sentence_transformers_embeddings
 from hypothesis import HealthCheck, settings
 from test_bert_pooling import SENTENCES
 from test_server_schema import CHECKS, _run
@@ -81,6 +81,35 @@ def test_an_embedding_model_scores_by_cosine_similarity(minilm_server):
     assert [r["index"] for r in results] == [1, 0]
 
 
+def test_pooling_returns_the_raw_pooled_states_before_normalisation(minilm_server, minilm_path):
+    texts = SENTENCES[:6]
+    response = httpx.post(f"{minilm_server.url}/pooling", json={"model": MINILM, "input": texts}, timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["id"].startswith("pool-") and body["model"] == MINILM
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    assert {d["object"] for d in body["data"]} == {"pooling"}
+    ours = torch.tensor([d["data"] for d in body["data"]])
+    expected = sentence_transformers_embeddings(minilm_path, texts, "mean", normalize=False)
+    assert torch.allclose(ours, expected, atol=1e-4)  # the mean itself: the Normalize module is not applied
+    assert (ours.norm(dim=-1) - 1).abs().min() > 0.01
+    ids = _tokenize(minilm_path, texts[:2])
+    as_ids = httpx.post(f"{minilm_server.url}/pooling", json={"input": ids, "encoding_format": "base64"},
+                        timeout=60).json()
+    decoded = [np.frombuffer(base64.b64decode(d["data"]), dtype="<f4") for d in as_ids["data"]]
+    assert torch.allclose(torch.tensor(np.stack(decoded)), expected[:2], atol=1e-4)
+    assert as_ids["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+
+
+def test_pooling_a_too_long_input_is_a_400_naming_the_input(minilm_server):
+    response = httpx.post(f"{minilm_server.url}/pooling", json={"input": "word " * 600}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    assert "512 positions" in response.json()["error"]["message"]
+    response = httpx.post(f"{minilm_server.url}/pooling", json={"input": "word " * 600, "truncate_prompt_tokens": 16},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 16
+
+
 # -- a cross-encoder -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cross_path(tmp_path_factory) -> Path:
@@ -122,6 +151,12 @@ def test_score_and_classify_equal_transformers(cross_server, cross_path):
     assert [(d["label"], d["num_classes"], d["probs"]) for d in classes["data"]] == [("LABEL_0", 1, [1.0])] * 2
 
 
+def test_pooling_a_classifier_gives_its_logits_before_softmax(cross_server, cross_path):
+    texts = ["paris", "the cat sleeps on the mat", "music plays today"]
+    data = httpx.post(f"{cross_server.url}/pooling", json={"input": texts}, timeout=60).json()["data"]
+    assert torch.allclose(torch.tensor([d["data"] for d in data]), classifier_logits(cross_path, texts), atol=1e-4)
+
+
 def test_a_cross_encoder_refuses_embeddings_and_a_pair_list_mismatch(cross_server):
     response = httpx.post(f"{cross_server.url}/v1/embeddings", json={"input": "paris"}, timeout=60)
     assert response.status_code == 400 and "classifier" in response.json()["error"]["message"]
@@ -137,7 +172,7 @@ def pooling_schema(cross_server):
     return schema
 
 
-POOLING_ROUTES = "^/(v1/score|v1/rerank|classify)$"
+POOLING_ROUTES = "^/(v1/score|v1/rerank|classify|pooling)$"
 # the filter goes on the lazy schema: one the fixture returns filtered is not filtered again here
 pooling_schema_cases = schemathesis.pytest.from_fixture("pooling_schema").include(path_regex=POOLING_ROUTES)
 
@@ -145,7 +180,7 @@ pooling_schema_cases = schemathesis.pytest.from_fixture("pooling_schema").includ
 @pooling_schema_cases.parametrize()
 @settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_pooling_routes_conform_to_their_schema(case):
-    assert case.path in ("/v1/score", "/v1/rerank", "/classify"), CHECKS
+    assert case.path in ("/v1/score", "/v1/rerank", "/classify", "/pooling"), CHECKS
     _run(case)
 
 

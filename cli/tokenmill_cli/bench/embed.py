@@ -7,12 +7,19 @@ batches of ``batch_size`` through ``transformers.AutoModel``, masked mean (or CL
 normalised where the folder says; tokenmill gets the whole list at once (``LLM.embed``), its
 scheduler batching by ``max_num_seqs`` and ``max_num_batched_tokens``. Both are timed after a
 warm-up over the same sentences, tokenization included; the ratio comes from one process.
+
+The timed passes alternate (tokenmill, transformers, tokenmill, ...), so that a machine whose
+load changes during the run slows both sides alike, and each side's process CPU time is
+reported beside its wall time: on a shared machine at one thread, CPU time is the work each
+side did, whatever share of a core it was given.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,12 +59,24 @@ def _hf_embed(model: Any, tokenizer: Any, sentences: list[str], batch_size: int,
     return torch.cat(out).float()
 
 
-def _timed(work: Any, repeats: int) -> tuple[float, Any]:
-    result = work()  # warm-up
-    start = time.perf_counter()
+@dataclass
+class _Timing:
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    result: Any = None
+
+
+def _time_alternately(sides: list[Callable[[], Any]], repeats: int) -> list[_Timing]:
+    """Mean wall and process CPU seconds of each side's pass, the sides' passes alternating
+    after one warm-up pass each."""
+    timings = [_Timing(result=work()) for work in sides]
     for _ in range(repeats):
-        result = work()
-    return (time.perf_counter() - start) / repeats, result
+        for work, timing in zip(sides, timings, strict=True):
+            wall, cpu = time.perf_counter(), time.process_time()
+            timing.result = work()
+            timing.wall_s += (time.perf_counter() - wall) / repeats
+            timing.cpu_s += (time.process_time() - cpu) / repeats
+    return timings
 
 
 def run_embed_bench(engine: EngineConfig, num_sentences: int, batch_size: int, min_len: int, max_len: int,
@@ -71,24 +90,30 @@ def run_embed_bench(engine: EngineConfig, num_sentences: int, batch_size: int, m
                                        "max_num_seqs": max(engine.max_num_seqs, batch_size)})
     llm = LLM(**config.model_dump())
     info = llm.engine.model_info
-    assert info.pooler is not None
+    pooler = info.pooler
+    assert pooler is not None
     tokenizer = AutoTokenizer.from_pretrained(info.path)
     sentences = random_sentences(tokenizer, num_sentences, min_len, max_len, seed)
     lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
-    ours_s, ours = _timed(lambda: torch.tensor([o.embedding for o in llm.embed(sentences)]), repeats)
+    sides: list[Callable[[], Any]] = [lambda: torch.tensor([o.embedding for o in llm.embed(sentences)])]
+    if not skip_hf:
+        model = AutoModel.from_pretrained(info.path, dtype=getattr(torch, info.dtype)).eval()
+        sides.append(lambda: _hf_embed(model, tokenizer, sentences, batch_size, pooler.pooling, pooler.normalize))
+    timings = _time_alternately(sides, repeats)
+    ours = timings[0]
     result: dict[str, Any] = {
         "model": info.path, "num_sentences": num_sentences, "batch_size": batch_size,
         "tokens_min": min(lengths), "tokens_max": max(lengths), "tokens_mean": sum(lengths) / len(lengths),
         "threads": torch.get_num_threads(), "dtype": info.dtype,
-        "tokenmill_sentences_per_s": num_sentences / ours_s,
+        "tokenmill_sentences_per_s": num_sentences / ours.wall_s,
+        "tokenmill_cpu_s_per_pass": ours.cpu_s,
     }
     if not skip_hf:
-        dtype = getattr(torch, info.dtype)
-        model = AutoModel.from_pretrained(info.path, dtype=dtype).eval()
-        hf_s, theirs = _timed(lambda: _hf_embed(model, tokenizer, sentences, batch_size, info.pooler.pooling,
-                                                info.pooler.normalize), repeats)
-        result["hf_sentences_per_s"] = num_sentences / hf_s
-        result["speedup"] = hf_s / ours_s
-        result["min_cosine"] = float(torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min())
+        theirs = timings[1]
+        result["hf_sentences_per_s"] = num_sentences / theirs.wall_s
+        result["hf_cpu_s_per_pass"] = theirs.cpu_s
+        result["speedup"] = theirs.wall_s / ours.wall_s
+        result["cpu_speedup"] = theirs.cpu_s / ours.cpu_s
+        result["min_cosine"] = float(torch.nn.functional.cosine_similarity(ours.result, theirs.result, dim=-1).min())
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result

@@ -1,5 +1,5 @@
 """Request and response bodies of the pooling routes: ``/v1/score``, ``/v1/rerank`` (Jina and
-Cohere's shape) and ``/classify``, with vLLM's field names."""
+Cohere's shape), ``/classify`` and ``/pooling``, with vLLM's field names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, WithJsonSchema, field_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill_cli.server.protocol import _Request
+from tokenmill_cli.server.protocol import Prompt, _Request
 from tokenmill_cli.server.responses import Usage, new_id, now
 
 _Text = Annotated[str, Field(min_length=1)]
@@ -47,6 +47,11 @@ class RerankRequest(_PoolingRequest):
 
 class ClassifyRequest(_PoolingRequest):
     input: _Text | _Texts = Field(description="a text or texts to classify")
+
+
+class PoolingRequest(_PoolingRequest):
+    input: Prompt = Field(description="text, texts, token ids or lists of token ids")
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 class ScoreData(BaseModel):
@@ -98,4 +103,21 @@ class ClassifyResponse(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     data: list[ClassifyData]
+    usage: Usage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str = Field(description="the pooler's output for the input, as floats or base64 of "
+                                    "little-endian float32: an embedding model's pooled state before any "
+                                    "normalisation, a classifier's logits before softmax")
+
+
+class PoolingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: new_id("pool"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[PoolingData]
     usage: Usage

@@ -1,9 +1,11 @@
 """The pooling routes: ``/v1/score`` and ``/v1/rerank`` (also at ``/score``, ``/rerank``,
-``/v2/rerank``, as vLLM serves them) and ``/classify``.
+``/v2/rerank``, as vLLM serves them), ``/classify`` and ``/pooling``.
 
 A cross-encoder scores each (query, document) pair as one input; an embedding model
 scores by the cosine similarity of the two embeddings. Rerank is score with the
 documents sorted, most relevant first (Jina's and Cohere's request and response).
+``/pooling`` returns what the pooler gave for each input, untouched (vLLM's raw pooling
+output): no normalisation, no softmax, so a client can apply its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenmill.engine.input_processor import PromptType
 from tokenmill.entrypoints.scoring import (
     check_classifier,
     cross_encoder_score,
@@ -26,12 +29,17 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
 from tokenmill.pooling_outputs import ClassificationOutput, cosine_similarity
+from tokenmill_cli.server.completions import engine_prompts
+from tokenmill_cli.server.embeddings import _encode as encode_vector
 from tokenmill_cli.server.errors import ERROR_RESPONSES
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.pooling_protocol import (
     ClassifyData,
     ClassifyRequest,
     ClassifyResponse,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -71,6 +79,11 @@ async def create_classify(body: ClassifyRequest, request: Request, state: State)
     return await until_disconnected(request, _classify_route(body, state))
 
 
+@router.post("/pooling", response_model=PoolingResponse, responses=ERROR_RESPONSES, dependencies=_ADMITTING)
+async def create_pooling(body: PoolingRequest, request: Request, state: State) -> Response:
+    return await until_disconnected(request, _pooling_route(body, state))
+
+
 async def _score_route(body: ScoreRequest, state: ServerState) -> Response:
     model = state.model_name(body.model)
     scores, tokens = await score(state, score_pairs(body.text_1, body.text_2), body.truncate_prompt_tokens)
@@ -107,6 +120,18 @@ async def _classify_route(body: ClassifyRequest, state: ServerState) -> Response
                                          usage=Usage(prompt_tokens=tokens, total_tokens=tokens)).model_dump())
 
 
+async def _pooling_route(body: PoolingRequest, state: ServerState) -> Response:
+    model = state.model_name(body.model)
+    prompts = engine_prompts(body.input, param="input")
+    if "" in prompts:
+        raise InvalidRequestError("input must not be an empty string", param="input")
+    outputs = await _pool_all(state, prompts, body.truncate_prompt_tokens)
+    data = [PoolingData(index=i, data=encode_vector(_vector(o), body.encoding_format)) for i, o in enumerate(outputs)]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return JSONResponse(PoolingResponse(model=model, data=data,
+                                        usage=Usage(prompt_tokens=tokens, total_tokens=tokens)).model_dump())
+
+
 async def score(state: ServerState, pairs: list[tuple[str, str]], truncate: int | None) -> tuple[list[float], int]:
     """Each pair's score and the tokens read: a cross-encoder's logit, or the embeddings' cosine."""
     info = state.engine.model_info
@@ -122,7 +147,7 @@ async def score(state: ServerState, pairs: list[tuple[str, str]], truncate: int 
     return scores, sum(len(o.prompt_token_ids) for o in outputs)
 
 
-async def _pool_all(state: ServerState, prompts: Sequence[str | dict[str, list[int]]],
+async def _pool_all(state: ServerState, prompts: Sequence[PromptType],
                     truncate: int | None) -> list[RequestOutput]:
     try:
         return list(await asyncio.gather(*[state.engine.pool(p, truncate_prompt_tokens=truncate) for p in prompts]))

@@ -19,10 +19,11 @@ from tokenmill.lora.adapter import LoRAAdapterLoader
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.model_loader.loader import default_model, load_checkpoint, resolve_model_class
+from tokenmill.model_loader.loader import default_model, load_checkpoint, registered_model_spec, resolve_model_class
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
+from tokenmill.plugins.specs import ModelSpec
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutputs
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -49,7 +50,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.platform)
         self.checkpoint = load_checkpoint(config.model or default_model(self.plugins), self.plugins, self.platform,
                                           self.dtype, config.revision, config.tokenizer)
-        self.max_model_len = _max_model_len(config, self.checkpoint)
+        self.max_model_len = _max_model_len(config, self.checkpoint,
+                                            registered_model_spec(self.checkpoint, self.plugins))
         self.runner = choose_runner(config, self.checkpoint, self.plugins)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
@@ -68,7 +70,9 @@ class EngineCore:
         self.executor: Executor = create_executor(self.plugins, self.worker_spec, platform=self.platform,
                                                   checkpoint=self.checkpoint, progress=progress)
         self.num_kv_blocks = self._init_kv_cache()
-        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # An encoder's blocks hold no KV and its requests never look a prefix up: hashing them is waste.
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                         config.enable_prefix_caching and not self.runner.is_encoder)
         self._model_info = self._describe_model()
         self.structured_output = StructuredOutputManager.from_plugins(
             self.plugins, config.structured_outputs_backend, self.checkpoint.tokenizer, self._model_info.vocab_size,
@@ -195,8 +199,11 @@ def eos_token_ids(generation_config: dict[str, Any], tokenizer: Any) -> tuple[in
     return primary, [i for i in ids if i != primary]
 
 
-def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
-    native = getattr(checkpoint.hf_config, "max_position_embeddings", None)
+def _max_model_len(config: EngineConfig, checkpoint: Checkpoint, spec: ModelSpec | None = None) -> int:
+    if spec is not None and spec.max_positions is not None:  # a position table with reserved rows (RoBERTa)
+        native: int | None = spec.max_positions(checkpoint.hf_config)
+    else:
+        native = getattr(checkpoint.hf_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if native is None:
             raise ModelNotFoundError("the model config gives no max_position_embeddings: set max_model_len")

@@ -8,6 +8,7 @@ class behind a spec only once it has chosen it (:func:`resolve_qualname`).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,10 @@ class ModelSpec:
     model folder's sentence-transformers files say. ``capabilities`` may hold
     ``"classify"``: the model's ``compute_pooled`` head turns the pooled state into class
     logits (a cross-encoder); ``"embed"``: its pooled state is an embedding.
+    ``max_positions``: how many positions a sequence may use, from the HF config, for a model
+    whose position table holds more rows than that (RoBERTa's first rows sit below its padding
+    id: ``max_position_embeddings - pad_token_id - 1``); None: ``max_position_embeddings``.
+    A plain function, so the entry-point module still imports no torch.
     """
 
     qualname: str
@@ -87,6 +92,7 @@ class ModelSpec:
     supports_pooling: bool = True
     capabilities: frozenset[str] = field(default_factory=frozenset)
     default_pooling: str = "last"
+    max_positions: Callable[[Any], int] | None = None
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,9 @@ class BertEncoder(nn.Module):
     """Embeddings and layers: the final hidden state of every token (what ``BertModel`` returns
     as ``last_hidden_state``)."""
 
+    embeddings_class: type[BertEmbeddings] = BertEmbeddings
+    pairs_have_token_types = True  # a pair's second segment is type 1 (RoBERTa's tokenizers give none)
+
     def __init__(self, config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
         if ctx.world_size > 1:
@@ -129,9 +132,10 @@ class BertEncoder(nn.Module):
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(f"BERT position_embedding_type {config.position_embedding_type!r}: only "
                                         "absolute position embeddings are supported")
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = _Layers(config, ctx.child("encoder"))
-        self.sep_token_id = _sep_token_id(config) if config.type_vocab_size > 1 else None
+        typed = self.pairs_have_token_types and config.type_vocab_size > 1
+        self.sep_token_id = _sep_token_id(config) if typed else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         batch = EncoderBatch.from_metadata(metadata, input_ids.device)
@@ -173,12 +177,13 @@ class _BertBase(nn.Module):
     """Shared loading: checkpoint names under ``prefix`` map onto ``self.bert``; q/k/v merge into one matmul."""
 
     checkpoint_prefix = ""  # where the encoder's tensors start in the checkpoint ("bert." under a head)
-    ignored = ("embeddings.position_ids",)
+    ignored: tuple[str, ...] = ("embeddings.position_ids",)
+    encoder_class: type[BertEncoder] = BertEncoder
 
     def __init__(self, config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
         self.config = config
-        self.bert = BertEncoder(config, ctx.child("bert"))
+        self.bert = self.encoder_class(config, ctx.child("bert"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.bert(input_ids, positions, metadata)
