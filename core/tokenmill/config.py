@@ -166,8 +166,6 @@ class EngineConfig(BaseModel):
         if self.enable_lora and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every "
                              "adapter in a device slot is also kept in host memory")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA under tensor parallelism is not supported yet")
         return self
 
     @property
