@@ -22,6 +22,10 @@ The layer's forward gets a hook; the model's own code is untouched.
 
 from __future__ import annotations
 
+import functools
+import importlib
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -31,10 +35,12 @@ from tokenmill.lora.adapter import LoRAModuleWeights
 
 class LoRABatch:
     """The current step's per-token slot mask ``[T, num_slots]`` (None: no token has an
-    adapter), shared by every wrapped layer; the model runner sets it before each forward."""
+    adapter), shared by every wrapped layer; the model runner sets it before each forward.
+    ``token_slots`` [T] int32 (-1: the base model) is the same by index, for the GPU kernel."""
 
     def __init__(self) -> None:
         self.token_mask: torch.Tensor | None = None
+        self.token_slots: torch.Tensor | None = None
 
 
 class LoRAWeights(nn.Module):
@@ -90,12 +96,28 @@ class LoRAWeights(nn.Module):
 
     def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``out`` plus every token's adapter contribution, in place."""
+        slots = self.batch.token_slots
+        kernels = _gpu_kernels() if x.is_cuda and slots is not None else None
+        if kernels is not None and slots is not None:  # each token reads only its own slot's A and B
+            y = kernels.lora_shrink(x, self.lora_a, slots, self.num_slots)
+            if self.parallel == "row":
+                y = self.comm.all_reduce(y)
+            return kernels.lora_expand_into(y, self.lora_b, slots, out, self.num_slots)
         tokens = x.shape[0]
         shrunk = x @ self.lora_a.T
         if self.parallel == "row":  # each rank shrank its slice of the input: sum them
             shrunk = self.comm.all_reduce(shrunk)
         shrunk = shrunk.view(tokens, self.num_slots, -1) * mask[:, :, None]
         return out.addmm_(shrunk.view(tokens, -1), self.lora_b.T)
+
+
+@functools.cache
+def _gpu_kernels() -> ModuleType | None:
+    """The Triton shrink/expand (:mod:`tokenmill.lora.triton_kernels`), if Triton is installed."""
+    try:
+        return importlib.import_module("tokenmill.lora.triton_kernels")
+    except ImportError:
+        return None
 
 
 def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
