@@ -122,3 +122,9 @@ def test_two_ranks_with_adapters_match_one_rank(arch, model_factory, tmp_path):
     tokens, logprobs = _generate(llm, adapters)
     assert tokens == one_rank[0]
     assert logprobs == pytest.approx(one_rank[1], abs=1e-4)
+
+
+def test_lora_under_pipeline_parallelism_is_refused_before_any_worker_starts(llama_path):
+    """Rank 0 holds only the first stage's layers, so it could not check an adapter's targets."""
+    with pytest.raises(ValueError, match="LoRA under pipeline parallelism"):
+        LLM(str(llama_path), dtype="float32", max_model_len=128, enable_lora=True, pipeline_parallel_size=2)
