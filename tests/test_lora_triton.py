@@ -56,13 +56,16 @@ def _check(tokens: int, in_features: int, sizes: list[int], dtype: torch.dtype, 
     generator = torch.Generator().manual_seed(tokens + 1)
     x = torch.randn(tokens, in_features, generator=generator).to(device, dtype)
     base = torch.randn(tokens, sum(sizes), generator=generator).to(device, dtype)
+    if tokens == 20:
+        base = base.T.contiguous().T  # a column-major output (the kernel works on a copy, then writes back)
     slots = torch.arange(tokens) % (SLOTS + 1) - 1  # every slot and the base model (-1)
     mask = torch.zeros(tokens, SLOTS + 1)
     mask[torch.arange(tokens), slots + 1] = 1
     expected = weights.delta_into(x.float(), base.float().clone(), mask[:, 1:].float().to(device))
-    ours = triton_kernels.lora_delta_into(x, base.clone(), weights.lora_a.to(dtype), weights.lora_b.to(dtype),
+    out = base.clone()  # (clone keeps the strides)
+    ours = triton_kernels.lora_delta_into(x, out, weights.lora_a.to(dtype), weights.lora_b.to(dtype),
                                           slots.to(device, torch.int32), SLOTS)
-    assert ours.dtype == dtype
+    assert ours is out and ours.dtype == dtype
     # float32: summation order only; bfloat16: the output's own rounding (8 bits of mantissa)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(ours.float(), expected, **tolerance)

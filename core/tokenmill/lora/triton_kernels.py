@@ -85,13 +85,14 @@ def lora_expand_into(y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.T
     """``out[t] += B_slot(t) y[t]`` in place (rows of slot -1 untouched)."""
     tokens, n_size = out.shape
     columns = lora_b.shape[1] // num_slots
-    if not out.is_contiguous():
-        raise ValueError("lora_expand_into needs a contiguous output")
+    target = out if out.is_contiguous() else out.contiguous()  # the kernel writes rows of unit stride
     lora_b = lora_b.contiguous()
     if tokens:
         _expand[(tokens, triton.cdiv(n_size, BLOCK_N))](
-            y, lora_b, token_slots, out, n_size, columns, y.stride(0), lora_b.stride(0), out.stride(0),
+            y, lora_b, token_slots, target, n_size, columns, y.stride(0), lora_b.stride(0), target.stride(0),
             block_c=BLOCK_C, block_n=BLOCK_N)
+    if target is not out:
+        out.copy_(target)
     return out
 
 
