@@ -120,3 +120,8 @@ def test_lora_metrics(llama_path, good):
     assert value("lora_requests", lora_name="good") == 0  # resident, its requests finished
     assert value("lora_load_seconds_count") == 1
     assert value("num_requests_waiting_for_lora") == 0
+
+
+def test_fewer_host_cache_entries_than_slots_is_refused(llama_path):
+    with pytest.raises(ValueError, match="max_cpu_loras=1 is below max_loras=2"):
+        LLM(str(llama_path), dtype="float32", max_model_len=128, enable_lora=True, max_loras=2, max_cpu_loras=1)

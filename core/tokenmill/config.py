@@ -162,12 +162,14 @@ class EngineConfig(BaseModel):
     def world_size(self) -> int:
         """Worker ranks the model is split over: tensor-parallel ranks times pipeline stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")  # (its decorator was lost in a merge: the checks never ran)
     def _check_lora(self) -> EngineConfig:
         if self.enable_lora and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every "
                              "adapter in a device slot is also kept in host memory")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA under tensor parallelism is not supported yet")
+        if self.enable_lora and self.pipeline_parallel_size > 1:  # rank 0 alone cannot check every layer's targets
+            raise ValueError("LoRA under pipeline parallelism is not supported yet")
         return self
 
     @property

@@ -234,6 +234,9 @@ def serve(
     result_dir: Annotated[Path, typer.Option(help="Folder of --save-result")] = Path("."),
     result_filename: Annotated[str | None, typer.Option(help="File name of --save-result")] = None,
     disable_tqdm: DisableTqdm = False,
+    lora: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter's served name (repeatable): the requests name them in `model`, round robin "
+             "(the server lists them in /v1/models: --enable-lora --lora-modules)")] = None,
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
     from tokenmill_cli.bench.metrics import LATENCY_METRICS
@@ -248,7 +251,7 @@ def serve(
     opts = ServeOptions(base_url=base_url or f"http://{host}:{port}", endpoint=endpoint,
                         model=served_model_name or model, request_rate=request_rate, burstiness=burstiness,
                         max_concurrency=max_concurrency, ignore_eos=ignore_eos, temperature=temperature,
-                        api_key=api_key, seed=seed)
+                        api_key=api_key, seed=seed, lora_models=tuple(lora or ()))
     percentiles = _percentiles(metric_percentiles)
     shown = tuple(m.strip() for m in percentile_metrics.split(",") if m.strip())
     if unknown := set(shown) - set(LATENCY_METRICS):

@@ -44,6 +44,7 @@ class ServeOptions:
     temperature: float = 0.0
     api_key: str | None = None
     seed: int = 0
+    lora_models: tuple[str, ...] = ()  # adapter names the requests are spread over, round robin (bench --lora)
 
 
 def arrival_offsets(count: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
@@ -135,8 +136,9 @@ async def run_requests(requests: Sequence[BenchRequest], opts: ServeOptions,
         model = await check_server(client, base_url, opts.model)
         url = base_url + opts.endpoint
 
-        async def one(request: BenchRequest) -> RequestRecord:
-            payload = request_payload(request, model, opts)
+        async def one(index: int, request: BenchRequest) -> RequestRecord:
+            name = opts.lora_models[index % len(opts.lora_models)] if opts.lora_models else model
+            payload = request_payload(request, name, opts)
             if gate is None:
                 record = await send_request(client, url, payload, request.prompt_len)
             else:
@@ -148,11 +150,11 @@ async def run_requests(requests: Sequence[BenchRequest], opts: ServeOptions,
 
         start = time.perf_counter()
         tasks = []
-        for request, offset in zip(requests, offsets, strict=True):
+        for index, (request, offset) in enumerate(zip(requests, offsets, strict=True)):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(request)))
+            tasks.append(asyncio.create_task(one(index, request)))
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
     return records, duration, model
@@ -174,6 +176,7 @@ def run_serve(requests: Sequence[BenchRequest], opts: ServeOptions, dataset_name
         "base_url": opts.base_url,
         "endpoint": opts.endpoint,
         "model": model,
+        "lora_models": list(opts.lora_models),
         "dataset_name": dataset_name,
         "num_prompts": len(requests),
         "request_rate": "inf" if math.isinf(opts.request_rate) else opts.request_rate,

@@ -11,10 +11,20 @@ smaller rank's padding rows are zero. The cost is ``num_slots * max_rank`` extra
 layer, no gather of per-token weights and no Python loop over adapters; a batch with no
 adapter skips it altogether.
 
+Under tensor parallelism each rank holds its part of every adapter, split as the base layer
+is: a column-parallel layer (q/k/v, gate/up) keeps A whole and the rows of B for its slice of
+each output shard; a row-parallel layer (o, down) keeps the columns of A for its slice of the
+input and B whole, and all-reduces the shrunk ``x A^T`` (``num_slots * max_rank`` columns: far
+less than the output) before the expand, since the base output it adds to is already reduced.
+
 The layer's forward gets a hook; the model's own code is untouched.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -25,10 +35,12 @@ from tokenmill.lora.adapter import LoRAModuleWeights
 
 class LoRABatch:
     """The current step's per-token slot mask ``[T, num_slots]`` (None: no token has an
-    adapter), shared by every wrapped layer; the model runner sets it before each forward."""
+    adapter), shared by every wrapped layer; the model runner sets it before each forward.
+    ``token_slots`` [T] int32 (-1: the base model) is the same by index, for the GPU kernel."""
 
     def __init__(self) -> None:
         self.token_mask: torch.Tensor | None = None
+        self.token_slots: torch.Tensor | None = None
 
 
 class LoRAWeights(nn.Module):
@@ -45,6 +57,7 @@ class LoRAWeights(nn.Module):
     def __init__(self, layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
         super().__init__()
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
+        self.parallel, self.comm, self.loader = layer.parallel, layer.comm, layer.output_loader
         self.slices = [layer.shard_slice(i) for i in range(len(layer.output_partition_sizes))]
         device, dtype = layer_device_dtype(layer)
         columns = num_slots * len(self.slices) * max_rank
@@ -63,15 +76,48 @@ class LoRAWeights(nn.Module):
             rows.zero_()
             cols.zero_()
             if weights is not None:
-                r = weights.lora_a.shape[0]
-                rows[:r].copy_(weights.lora_a)
-                cols[:, :r].copy_(weights.lora_b)
+                lora_a, lora_b = self._rank_part(i, weights)
+                r = lora_a.shape[0]
+                rows[:r].copy_(lora_a)
+                cols[:, :r].copy_(lora_b)
+
+    def _rank_part(self, slice_index: int, weights: LoRAModuleWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one module's (whole, checkpoint-shaped) A and B."""
+        lora_a, lora_b = weights.lora_a, weights.lora_b
+        loader = self.loader
+        if self.parallel == "column":
+            parts = loader.shard_parts[slice_index] if loader.shard_parts else 1
+            size = lora_b.shape[0] // parts  # fewer parts than ranks: a shard replicated (K/V heads)
+            lora_b = lora_b.narrow(0, loader.rank * parts // loader.world_size * size, size)
+        elif self.parallel == "row":
+            size = lora_a.shape[1] // loader.world_size
+            lora_a = lora_a.narrow(1, loader.rank * size, size)
+        return lora_a, lora_b
 
     def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``out`` plus every token's adapter contribution, in place."""
+        slots = self.batch.token_slots
+        kernels = _gpu_kernels() if x.is_cuda and slots is not None else None
+        if kernels is not None and slots is not None:  # each token reads only its own slot's A and B
+            y = kernels.lora_shrink(x, self.lora_a, slots, self.num_slots)
+            if self.parallel == "row":
+                y = self.comm.all_reduce(y)
+            return kernels.lora_expand_into(y, self.lora_b, slots, out, self.num_slots)
         tokens = x.shape[0]
-        shrunk = (x @ self.lora_a.T).view(tokens, self.num_slots, -1) * mask[:, :, None]
+        shrunk = x @ self.lora_a.T
+        if self.parallel == "row":  # each rank shrank its slice of the input: sum them
+            shrunk = self.comm.all_reduce(shrunk)
+        shrunk = shrunk.view(tokens, self.num_slots, -1) * mask[:, :, None]
         return out.addmm_(shrunk.view(tokens, -1), self.lora_b.T)
+
+
+@functools.cache
+def _gpu_kernels() -> ModuleType | None:
+    """The Triton shrink/expand (:mod:`tokenmill.lora.triton_kernels`), if Triton is installed."""
+    try:
+        return importlib.import_module("tokenmill.lora.triton_kernels")
+    except ImportError:
+        return None
 
 
 def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
@@ -91,8 +137,6 @@ def _lora_hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.
 
 def wrap_linear(layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> LoRAWeights:
     """Give ``layer`` slot-stacked LoRA weights and a forward hook that adds their contribution."""
-    if layer.parallel != "none":
-        raise NotImplementedError(f"{layer.prefix}: LoRA on a tensor-parallel layer is not supported yet")
     weights = LoRAWeights(layer, num_slots, max_rank, batch)
     layer.add_module("lora", weights)
     layer.register_forward_hook(_lora_hook)

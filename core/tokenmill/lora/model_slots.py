@@ -40,12 +40,13 @@ class LoRAModelSlots:
     def set_step(self, row_slots: Sequence[int], tokens_per_row: Sequence[int] | np.ndarray) -> None:
         """Each scheduled row's slot (-1: the base model) and its token count, in step order."""
         if all(slot < 0 for slot in row_slots):
-            self.batch.token_mask = None  # a base-only batch pays nothing
+            self.batch.token_mask = self.batch.token_slots = None  # a base-only batch pays nothing
             return
         slots = torch.repeat_interleave(torch.tensor(list(row_slots)), torch.as_tensor(tokens_per_row))
         mask = torch.zeros(len(slots), self.num_slots + 1, dtype=self.dtype)
         mask[torch.arange(len(slots)), slots + 1] = 1  # column 0 catches the base rows
         self.batch.token_mask = mask[:, 1:].to(self.device)
+        self.batch.token_slots = slots.to(self.device, torch.int32)
 
     def clear_step(self) -> None:
-        self.batch.token_mask = None
+        self.batch.token_mask = self.batch.token_slots = None

@@ -49,8 +49,13 @@ def lora_target_layers(model: nn.Module) -> dict[str, tuple[Linear, list[str]]]:
 
 
 def lora_target_table(model: nn.Module) -> LoRATargetTable:
+    """The checkpoint's shapes (an adapter is whole): under tensor parallelism a layer holds one
+    rank's part, so its input (row-parallel) or each output shard (column-parallel) is scaled back."""
     table = {}
     for prefix, (layer, names) in lora_target_layers(model).items():
+        loader = layer.output_loader
+        in_features = layer.in_features * (loader.world_size if layer.parallel == "row" else 1)
         for index, name in enumerate(names):
-            table[name] = LoRATarget(prefix, index, layer.in_features, layer.output_partition_sizes[index])
+            parts = loader.shard_parts[index] if layer.parallel == "column" and loader.shard_parts else 1
+            table[name] = LoRATarget(prefix, index, in_features, layer.output_partition_sizes[index] * parts)
     return table
