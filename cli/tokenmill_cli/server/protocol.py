@@ -148,13 +148,28 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+class ImageURL(BaseModel):
+    url: str = Field(description="a data: URL (base64) or a file:// path under --allowed-local-media-path")
+    detail: str | None = None
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content; text models understand text parts only (others are a 400)."""
+    """One part of a message's content: text, or (for a multimodal model) an image; a text
+    model given an image part answers 400."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise InvalidRequestError("a text content part needs text", param="messages")
+        if self.type == "image_url" and self.image_url is None:
+            raise InvalidRequestError("an image_url content part needs image_url.url", param="messages")
+        return self
 
 
 Content = str | list[ContentPart]

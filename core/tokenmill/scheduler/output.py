@@ -26,6 +26,7 @@ class NewRequestData:
     eos_token_id: int | None = None
     pooling: str | None = None
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model); fixed for its life
+    mm_inputs: list[Any] = field(default_factory=list)  # its MultiModalItems (images), encoded by the workers
 
 
 @dataclass

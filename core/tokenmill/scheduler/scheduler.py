@@ -309,7 +309,7 @@ class Scheduler:
             plan.new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                 num_computed, request.eos_token_id, request.pooling,
-                lora_slot=self._lora_slots.get(request.request_id, -1),
+                lora_slot=self._lora_slots.get(request.request_id, -1), mm_inputs=request.mm_inputs,
             ))
         plan.tokens[request.request_id] = num_new
         plan.budget -= num_new
