@@ -55,6 +55,10 @@ class InputProcessor:
         if truncate_prompt_tokens is not None:
             prompt = self._truncated(prompt, self._truncation_length(truncate_prompt_tokens, pooling))
         processed = self._process(prompt)
+        if (self.multimodal is not None and not processed.mm_items
+                and self.multimodal.image_token_id in processed.token_ids):
+            raise InvalidRequestError("the prompt holds an image placeholder but no image was given "
+                                      "(multi_modal_data)", param="prompt")
         if processed.mm_items and len(processed.token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt with its images takes {len(processed.token_ids)} tokens "
