@@ -104,3 +104,20 @@ def test_encoder_cache_too_small_re_encodes(llava_path, prompts, expected):
     cache = _encoder_cache(llm)
     assert len(cache) == 0
     assert cache.encoded >= 2  # the image's 16 tokens span at least two 8-token steps
+
+
+def test_preemption_recomputes_images_exactly(llava_path, prompts, expected):
+    """Too few KV blocks for the batch: requests are preempted and recomputed, images included."""
+    llm = LLM(str(llava_path), dtype="float32", num_kv_blocks=8, block_size=8, max_model_len=64)
+    assert _generate(llm, prompts) == expected
+    assert llm.engine.scheduler_stats.num_preemptions > 0
+
+
+def test_tensor_parallel_ranks_encode_their_own_images(llava_path, prompts, expected):
+    """Two ranks in two processes: the items travel in the step diffs; each rank runs the tower
+    (replicated) and its share of the language model."""
+    llm = LLM(str(llava_path), dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    try:
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.engine.shutdown()
