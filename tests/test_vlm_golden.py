@@ -94,6 +94,8 @@ def test_encoder_cache_reuses_an_image_across_requests(llava_path, images, expec
     assert (cache.encoded, cache.hits) == (1, 1)  # the second request's image came from the cache
     assert _generate(llm, [("The quick <image> brown fox", [images[1]])]) == [expected[1]]
     assert cache.encoded == 2
+    stats = llm.engine.scheduler_stats  # the same counts reach the engine's metrics
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (3, 1)
 
 
 def test_encoder_cache_too_small_re_encodes(llava_path, prompts, expected):

@@ -153,25 +153,25 @@ class ImageURL(BaseModel):
     detail: str | None = None
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content: text, or (for a multimodal model) an image; a text
-    model given an image part answers 400."""
+class TextPart(BaseModel):
+    """A text part of a message's content."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text", "image_url"]
-    text: str | None = None
-    image_url: ImageURL | None = None
-
-    @model_validator(mode="after")
-    def _check_fields(self) -> ContentPart:
-        if self.type == "text" and self.text is None:
-            raise InvalidRequestError("a text content part needs text", param="messages")
-        if self.type == "image_url" and self.image_url is None:
-            raise InvalidRequestError("an image_url content part needs image_url.url", param="messages")
-        return self
+    type: Literal["text"]
+    text: str
 
 
+class ImagePart(BaseModel):
+    """An image part, for a multimodal model (a text model answers 400)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 Content = str | list[ContentPart]
 
 

@@ -98,6 +98,9 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed for each request's next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Multimodal: this step's encoder-cache look-ups (one per item a step's tokens overlapped) and hits.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass

@@ -89,6 +89,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.encoder_cache_queries = 0  # multimodal items looked up in the workers' encoder cache, since start
+        self.encoder_cache_hits = 0
         self.spec_decode = SpecDecodeCounters()
 
     # -- admission and removal ------------------------------------------
@@ -318,6 +320,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.encoder_cache_queries += runner_output.encoder_cache_queries
+        self.encoder_cache_hits += runner_output.encoder_cache_hits
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:  # finished from outside meanwhile
@@ -415,6 +419,8 @@ class Scheduler:
             spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
             num_waiting_for_lora=len(self.waiting_for_lora),
+            encoder_cache_queries=self.encoder_cache_queries,
+            encoder_cache_hits=self.encoder_cache_hits,
             **lora,
         )
 

@@ -150,6 +150,8 @@ class ModelRunner:
         self._prompt_logprobs(forward.inputs, forward.hidden, output)
         self._pool(forward.inputs, forward.hidden, output)
         self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
+        if self.multimodal is not None:
+            output.encoder_cache_queries, output.encoder_cache_hits = self.multimodal.take_step_counts()
         if self.spec_decode is not None:
             self.spec_decode.propose(self.batch, output)
         return output

@@ -35,6 +35,14 @@ class MultiModalEmbedder:
     def __init__(self, model: MultiModalCausalLM, cache_size: int) -> None:
         self.model = model
         self.cache = EncoderCache(cache_size)
+        self._reported = (0, 0)  # the cache's (queries, hits) at the last take_step_counts
+
+    def take_step_counts(self) -> tuple[int, int]:
+        """The cache's look-ups and hits since the last call (the step's, for the metrics)."""
+        now = (self.cache.queries, self.cache.hits)
+        counts = (now[0] - self._reported[0], now[1] - self._reported[1])
+        self._reported = now
+        return counts
 
     def step_embeddings(self, inputs: StepInputs, batch: InputBatch) -> torch.Tensor | None:
         """The step's input embeddings, with the encoder outputs in place of the image tokens;
