@@ -103,3 +103,13 @@ def test_text_model_given_an_image_is_a_400(client):
         client.chat.completions.create(messages=_user(_image_part(_data_url(random_image(1))), "hi"),
                                        model="tiny-llama", max_completion_tokens=4)
     assert "takes no images" in str(caught.value)
+
+
+def test_responses_api_input_image_is_the_chat_answer(vlm_client):
+    image = _data_url(random_image(3))
+    chat = vlm_client.chat.completions.create(messages=_user(_image_part(image), "The quick brown fox"), **GREEDY)
+    response = vlm_client.responses.create(
+        model=VLM, temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": image},
+                                            {"type": "input_text", "text": "The quick brown fox"}]}])
+    assert response.output_text == chat.choices[0].message.content

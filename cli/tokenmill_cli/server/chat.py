@@ -63,9 +63,10 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
     return list(state.tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering) -> tuple[str, list[Any]]:
+def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
+                param: str = "messages") -> tuple[str, list[Any]]:
     """The rendered prompt text and its images, each image part rendered as the model's
-    placeholder (``tokenmill.multimodal.chat_media``)."""
+    placeholder (``tokenmill.multimodal.chat_media``); a bad image is blamed on ``param``."""
     add_generation_prompt = rendering.add_generation_prompt
     if rendering.continue_final_message and "add_generation_prompt" not in rendering.model_fields_set:
         add_generation_prompt = False  # continuing the last message: no new turn, unless asked for explicitly
@@ -73,7 +74,10 @@ def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: 
     multimodal = getattr(processor, "multimodal", None)
     placeholder = multimodal.image_placeholder if multimodal is not None else None
     media_root = getattr(getattr(state.engine, "config", None), "allowed_local_media_path", None)
-    dicts, images = take_images([m.for_template() for m in messages], placeholder, media_root)
+    try:
+        dicts, images = take_images([m.for_template() for m in messages], placeholder, media_root)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), param=param) from exc
     text = render_chat(state.tokenizer, dicts, rendering.chat_template or state.settings.chat_template,
                        add_generation_prompt, rendering.continue_final_message, rendering.tools)
     return text, images
@@ -88,7 +92,7 @@ def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering
     Chat completions and the Responses API (``responses_api``) both generate through here;
     ``param`` is the request field a prompt too long for the context is blamed on.
     """
-    text, images = chat_prompt(state, messages, rendering)
+    text, images = chat_prompt(state, messages, rendering, param)
     prompt_ids = list(state.tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
     if len(prompt_ids) >= state.engine.max_model_len:
         raise InvalidRequestError(
