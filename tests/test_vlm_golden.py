@@ -123,3 +123,17 @@ def test_tensor_parallel_ranks_encode_their_own_images(llava_path, prompts, expe
         assert _generate(llm, prompts) == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_processor_kwargs_reach_the_processor_and_the_hash(llava_path, prompts):
+    """``mm_processor_kwargs`` change the pixels as transformers' processor changes them, and an
+    image processed otherwise is another encoder-cache entry."""
+    text, images = prompts[0]
+    unnormalised = hf_llava_greedy(llava_path, [(text, images)], MAX_TOKENS, do_normalize=False)
+    llm = LLM(str(llava_path), dtype="float32", enable_prefix_caching=False)
+    plain = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": images},
+                          "mm_processor_kwargs": {"do_normalize": False}}, GREEDY)
+    assert [other[0].outputs[0].token_ids] == unnormalised
+    assert plain[0].outputs[0].token_ids != other[0].outputs[0].token_ids
+    assert _encoder_cache(llm).encoded == 2

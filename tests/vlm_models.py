@@ -50,8 +50,10 @@ def random_image(seed: int, height: int = 40, width: int = 50) -> Any:
     return Image.fromarray(pixels)
 
 
-def hf_llava_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' LLaVA for each ``(text, images)``, one prompt at a time."""
+def hf_llava_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_tokens: int,
+                    **processor_kwargs: Any) -> list[list[int]]:
+    """Greedy tokens of transformers' LLaVA for each ``(text, images)``, one prompt at a time
+    (the processor called with ``processor_kwargs``)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -61,7 +63,7 @@ def hf_llava_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_
     results = []
     with torch.no_grad():
         for text, images in prompts:
-            inputs = processor(text=text, images=images or None, return_tensors="pt")
+            inputs = processor(text=text, images=images or None, return_tensors="pt", **processor_kwargs)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=COMMON["pad_token_id"])
             results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
