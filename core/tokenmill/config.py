@@ -33,6 +33,7 @@ def cli(panel: str, *, metavar: str | None = None) -> dict[str, Any]:
 
 _MODEL, _KV, _SCHED, _RUN, _PLUGINS = "Model", "KV cache", "Scheduler", "Execution", "Plugins"
 _LORA = "LoRA"
+_MM = "Multimodal"
 
 
 class EngineConfig(BaseModel):
@@ -126,6 +127,17 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept loaded in host memory (LRU; "
                                                               "default: twice max_loras)",
                                       json_schema_extra=cli(_LORA))
+
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict, description="Most multimodal items of each kind one prompt may carry, as JSON: "
+                                          "{\"image\": 4} (a kind not named: no limit but the context)",
+        json_schema_extra=cli(_MM))
+    allowed_local_media_path: str | None = Field(
+        None, description="A folder whose images chat requests may name as file:// URLs (default: none)",
+        json_schema_extra=cli(_MM))
+    mm_encoder_cache_size: int = Field(
+        8192, ge=0, description="Encoder outputs (image embeddings) kept for reuse by later requests, in "
+                                "embedding rows (tokens); 0: none kept", json_schema_extra=cli(_MM))
 
     strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
                                  json_schema_extra=cli(_PLUGINS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 from tokenmill.errors import InvalidStateTransition
 from tokenmill.sampling_params import SamplingParams
@@ -82,6 +82,7 @@ class Request:
     lora_name: str | None = None
     lora_content_hash: str | None = None  # set once the adapter is loaded; its blocks' prefix-cache key
     mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, length, hash)
+    mm_inputs: list[Any] = field(default_factory=list)  # its MultiModalItems, for the workers' encoder
     cache_salt: str | None = None
     max_tokens: int = 16  # the effective limit, max_model_len included
     pooling: str | None = None  # "last" or "mean": an embedding request, prefill only

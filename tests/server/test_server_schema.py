@@ -65,6 +65,10 @@ def _schema_expressible(body: Any) -> bool:
             messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), list) and \
             any(isinstance(b, dict) and b.get("type") == "tool_use" for b in messages[-1]["content"]):
         return False  # Messages API: a last assistant turn is continued, and cannot be once it called a tool
+    if isinstance(messages, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages):
+        return False  # an image: its bytes, and whether the model takes images, are the server's to judge
     items = body.get("input")
     if isinstance(items, list) and items and all(isinstance(i, dict) and i.get("type") == "reasoning" for i in items):
         return False  # reasoning items alone leave the prompt nothing to answer (they are not replayed to it)

@@ -28,6 +28,9 @@ from tokenmill_cli.bench.options import (
     PrefixLen,
     PrefixOutputLen,
     RandomInputLen,
+    RandomMMDistinctImages,
+    RandomMMImageSize,
+    RandomMMNumImages,
     RandomOutputLen,
     RandomPrefixLen,
     RandomRangeRatio,
@@ -125,6 +128,9 @@ def throughput(
     prefix_output_len: PrefixOutputLen = 128,
     sharegpt_output_len: SharegptOutputLen = None,
     custom_output_len: CustomOutputLen = 128,
+    random_mm_num_images: RandomMMNumImages = 1,
+    random_mm_image_size: RandomMMImageSize = 64,
+    random_mm_distinct_images: RandomMMDistinctImages = 0,
     metric_percentiles: MetricPercentiles = "90,99",
     output_json: OutputJson = None,
     disable_tqdm: DisableTqdm = False,
@@ -152,7 +158,8 @@ def throughput(
         random_output_len=random_output_len, random_range_ratio=random_range_ratio,
         random_prefix_len=random_prefix_len, prefix_len=prefix_len, suffix_len=suffix_len,
         num_prefixes=num_prefixes, prefix_output_len=prefix_output_len, sharegpt_output_len=sharegpt_output_len,
-        dataset_path=dataset_path, custom_output_len=custom_output_len)
+        dataset_path=dataset_path, custom_output_len=custom_output_len, random_mm_num_images=random_mm_num_images,
+        random_mm_image_size=random_mm_image_size, random_mm_distinct_images=random_mm_distinct_images)
     try:
         constraint_of(structured_output)
     except ValueError as exc:

@@ -11,6 +11,10 @@ Four datasets, named as ``vllm bench`` names them where it has them:
 - ``prefix`` (``prefix_repetition``): prompts that share a long common
   prefix, then distinct suffixes; what the prefix cache is for.
 - ``jsonl`` (``custom``): the user's own prompts, one JSON object a line.
+- ``random-mm`` (``random_mm``): random prompts, each with ``--random-mm-num-images``
+  random-pixel images of ``--random-mm-image-size`` pixels square before the text, for a
+  multimodal model; ``--random-mm-distinct-images N`` draws them from N pictures only
+  (repeats: what the encoder cache is for).
 
 Random prompts draw from the tokenizer's ordinary ids (no special tokens),
 so no prompt accidentally holds an EOS or a chat-template marker.
@@ -36,6 +40,7 @@ class BenchRequest:
     prompt: str | None = None  # the text, for datasets that start from text (jsonl)
     structured_outputs: dict[str, Any] | None = None  # a constraint (StructuredOutputsParams' JSON form)
     lora_path: str | None = None  # the LoRA adapter it runs with (bench --lora)
+    images: tuple[Any, ...] = ()  # PIL images put before the prompt's text (random-mm), one placeholder each
 
     @property
     def prompt_len(self) -> int:
@@ -61,6 +66,9 @@ class DatasetOptions:
     dataset_path: Path | None = None
     custom_output_len: int = 128
     max_model_len: int | None = None  # a request longer than this is an error (resampled for sharegpt-like)
+    random_mm_num_images: int = 1
+    random_mm_image_size: int = 64
+    random_mm_distinct_images: int = 0  # 0: every image its own
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,29 @@ def _jsonl_request(row: dict[str, Any], default_output_len: int, tokenizer: Any,
     return BenchRequest(ids, output_len, prompt=row["prompt"])
 
 
+# -- random-mm ------------------------------------------------------------------------------
+def random_mm_dataset(opts: DatasetOptions, ctx: DatasetContext) -> list[BenchRequest]:
+    """Random prompts (as ``random``, given as text) with random-pixel images before them."""
+    from PIL import Image
+
+    if opts.random_mm_num_images < 0 or opts.random_mm_image_size < 1 or opts.random_mm_distinct_images < 0:
+        raise ValueError("--random-mm-num-images and --random-mm-distinct-images must be >= 0, "
+                         "--random-mm-image-size >= 1")
+    rng = np.random.default_rng(opts.seed)
+    size = opts.random_mm_image_size
+    total = opts.num_prompts * opts.random_mm_num_images
+    distinct = min(opts.random_mm_distinct_images or total, total)
+    pictures = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(distinct)]
+    text_requests = random_dataset(opts, ctx)
+    requests = []
+    for i, request in enumerate(text_requests):
+        first = i * opts.random_mm_num_images
+        images = tuple(pictures[(first + j) % distinct] for j in range(opts.random_mm_num_images))
+        text = ctx.tokenizer.decode(request.prompt_token_ids)
+        requests.append(BenchRequest(request.prompt_token_ids, request.output_len, prompt=text, images=images))
+    return requests
+
+
 # -- registry -------------------------------------------------------------------------
 DatasetBuilder = Callable[[DatasetOptions, DatasetContext], list[BenchRequest]]
 
@@ -201,10 +232,11 @@ DATASETS: dict[str, DatasetBuilder] = {
     "sharegpt-like": sharegpt_like_dataset,
     "prefix": prefix_dataset,
     "jsonl": jsonl_dataset,
+    "random-mm": random_mm_dataset,
 }
 # vLLM's names for the same workloads, so its command lines keep working
 ALIASES = {"prefix_repetition": "prefix", "prefix-repetition": "prefix", "custom": "jsonl",
-           "sharegpt_like": "sharegpt-like"}
+           "sharegpt_like": "sharegpt-like", "random_mm": "random-mm"}
 
 
 def canonical_name(name: str) -> str:

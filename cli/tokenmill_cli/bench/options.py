@@ -18,7 +18,8 @@ _OUT = "Output"
 Tokenizer = Annotated[str | None, typer.Option(help="Tokenizer folder or hub id (default: the model's)")]
 
 DatasetName = Annotated[str, typer.Option(
-    help="random, sharegpt-like, prefix (alias prefix_repetition) or jsonl (alias custom)", rich_help_panel=_DATA)]
+    help="random, sharegpt-like, prefix (alias prefix_repetition), jsonl (alias custom) or random-mm (images, "
+         "for a multimodal model)", rich_help_panel=_DATA)]
 DatasetPath = Annotated[Path | None, typer.Option(
     help="The prompts file of the jsonl dataset", rich_help_panel=_DATA, exists=True, dir_okay=False)]
 NumPrompts = Annotated[int, typer.Option(help="Number of requests", rich_help_panel=_DATA)]
@@ -43,6 +44,13 @@ SharegptOutputLen = Annotated[int | None, typer.Option(
     help="Fix the output length instead of drawing it (sharegpt-like dataset)", rich_help_panel=_DATA)]
 CustomOutputLen = Annotated[int, typer.Option(
     help="Tokens to generate where a jsonl line gives none (jsonl dataset)", rich_help_panel=_DATA)]
+RandomMMNumImages = Annotated[int, typer.Option(min=0, help="Images per prompt (random-mm dataset)",
+                                               rich_help_panel=_DATA)]
+RandomMMImageSize = Annotated[int, typer.Option(min=1, help="Side of each square random image, in pixels "
+                                                           "(random-mm dataset)", rich_help_panel=_DATA)]
+RandomMMDistinctImages = Annotated[int, typer.Option(
+    min=0, help="Draw the images from this many pictures (repeats hit the encoder cache); 0: all distinct "
+                "(random-mm dataset)", rich_help_panel=_DATA)]
 BenchSeed = Annotated[int, typer.Option(help="Seeds the dataset, the arrivals and the engine")]
 
 OutputJson = Annotated[Path | None, typer.Option(help="Write the results to this JSON file", rich_help_panel=_OUT)]

@@ -50,10 +50,10 @@ class TokenmillBackend:
                                         max_tokens=request.output_len,
                                         # SamplingParams also takes the JSON (dict) form
                                         structured_outputs=cast(Any, request.structured_outputs))
-                prepared = engine.prepare_request(request_id, {"prompt_token_ids": request.prompt_token_ids},
+                prepared = engine.prepare_request(request_id, self._prompt(request),
                                                   params, lora_request=self._lora(request.lora_path))
                 engine.add_prepared(prepared)
-                records[request_id] = RequestRecord(request.prompt_len, start)
+                records[request_id] = RequestRecord(len(prepared.prompt.token_ids), start)  # image tokens too
         except Exception:
             for request_id in records:
                 engine.abort_request(request_id)
@@ -71,6 +71,16 @@ class TokenmillBackend:
                     if on_finish is not None:
                         on_finish()
         return list(records.values())
+
+    def _prompt(self, request: BenchRequest) -> dict[str, Any]:
+        """Token ids; or, for a request with images, its text after one placeholder per image."""
+        if not request.images:
+            return {"prompt_token_ids": request.prompt_token_ids}
+        multimodal = self.llm.engine.input_processor.multimodal
+        if multimodal is None:
+            raise ValueError("the random-mm dataset needs a multimodal model (one that takes images)")
+        text = multimodal.image_placeholder * len(request.images) + (request.prompt or "")
+        return {"prompt": text, "multi_modal_data": {"image": list(request.images)}}
 
     def _lora(self, path: str | None) -> Any:
         """The adapter at ``path``, registered once under its path as its name."""

@@ -148,8 +148,13 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content; text models understand text parts only (others are a 400)."""
+class ImageURL(BaseModel):
+    url: str = Field(description="a data: URL (base64) or a file:// path under --allowed-local-media-path")
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -157,6 +162,16 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ImagePart(BaseModel):
+    """An image part, for a multimodal model (a text model answers 400)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 Content = str | list[ContentPart]
 
 

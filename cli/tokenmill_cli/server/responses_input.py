@@ -52,7 +52,7 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
     messages: list[ChatMessage] = [SystemMessage(role="system", content=instructions)] if instructions else []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append(_message(item.role, _text(item.content)))
+            messages.append(_message(item.role, _with_images(item.content) or _text(item.content)))
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -70,8 +70,30 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
     return messages
 
 
-def _message(role: str, text: str) -> ChatMessage:
+def _with_images(content: Content) -> list[dict[str, Any]] | None:
+    """A content with ``input_image`` parts as chat content parts (text and ``image_url``, in
+    order), for a multimodal model; None for a content without images."""
+    if isinstance(content, str) or not any(part.type == "input_image" for part in content):
+        return None
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, TextPart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        url = getattr(part, "image_url", None)
+        if part.type != "input_image" or not isinstance(url, str):
+            raise InvalidRequestError(f"a {part.type!r} part is not supported here: input_text, output_text and "
+                                      "input_image (with an image_url string) are", param="input")
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def _message(role: str, text: str | list[dict[str, Any]]) -> ChatMessage:
     """A message item as the chat message of its role (a developer message is a system one)."""
+    if not isinstance(text, str):  # content parts with images
+        if role != "user":
+            raise InvalidRequestError(f"only user messages may hold input_image parts, not {role} ones", param="input")
+        return UserMessage.model_validate({"role": "user", "content": text})
     if role == "assistant":
         return AssistantMessage(role="assistant", content=text)
     if role == "user":

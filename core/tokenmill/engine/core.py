@@ -55,9 +55,9 @@ class EngineCore:
         self.runner = choose_runner(config, self.checkpoint, self.plugins)
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
-        check_tensor_parallel(self.checkpoint.hf_config, config.tensor_parallel_size)  # before any worker starts
+        check_tensor_parallel(self.checkpoint.text_config, config.tensor_parallel_size)  # before any worker starts
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
-            check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.hf_config.vocab_size),
+            check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.text_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(self.checkpoint.hf_config,
@@ -120,7 +120,7 @@ class EngineCore:
         return ModelInfo(
             path=str(self.checkpoint.path),
             architecture=architectures[0] if architectures else None,
-            vocab_size=int(self.checkpoint.hf_config.vocab_size),
+            vocab_size=int(self.checkpoint.text_config.vocab_size),
             max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id,
             extra_stop_token_ids=tuple(self.extra_stop_token_ids),
@@ -203,7 +203,7 @@ def _max_model_len(config: EngineConfig, checkpoint: Checkpoint, spec: ModelSpec
     if spec is not None and spec.max_positions is not None:  # a position table with reserved rows (RoBERTa)
         native: int | None = spec.max_positions(checkpoint.hf_config)
     else:
-        native = getattr(checkpoint.hf_config, "max_position_embeddings", None)
+        native = getattr(checkpoint.text_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if native is None:
             raise ModelNotFoundError("the model config gives no max_position_embeddings: set max_model_len")

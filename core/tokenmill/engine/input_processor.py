@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.request import Request, RequestId
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
-# A text prompt, or vLLM's dict forms: {"prompt": str} / {"prompt_token_ids": [...]}.
+if TYPE_CHECKING:
+    from tokenmill.multimodal.inputs import MultiModalItem
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+# A text prompt, or vLLM's dict forms: {"prompt": str} / {"prompt_token_ids": [...]}; a text prompt
+# of a multimodal model may add {"multi_modal_data": {"image": ...}, "mm_processor_kwargs": {...}}.
 PromptType = str | Mapping[str, Any]
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -21,6 +26,7 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     cache_salt: str | None = None
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # its images, where its tokens sit
 
 
 class InputProcessor:
@@ -37,6 +43,8 @@ class InputProcessor:
         self.extra_stop_token_ids = extra_stop_token_ids
         # The longest prompt of a pooling request (an encoder may use every position); 0: as generating.
         self.max_pooling_prompt = 0
+        # A multimodal model's processor (the model folder's own); None: prompts carry no images.
+        self.multimodal: MultiModalProcessor | None = None
 
     def process_prompt(self, prompt: PromptType, pooling: bool = False,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
@@ -47,6 +55,16 @@ class InputProcessor:
         if truncate_prompt_tokens is not None:
             prompt = self._truncated(prompt, self._truncation_length(truncate_prompt_tokens, pooling))
         processed = self._process(prompt)
+        if (self.multimodal is not None and not processed.mm_items
+                and self.multimodal.image_token_id in processed.token_ids):
+            raise InvalidRequestError("the prompt holds an image placeholder but no image was given "
+                                      "(multi_modal_data)", param="prompt")
+        if processed.mm_items and len(processed.token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt with its images takes {len(processed.token_ids)} tokens "
+                f"({sum(i.length for i in processed.mm_items)} of them image tokens), which leaves no room to "
+                f"generate within the model's context of {self.max_model_len} tokens (max_model_len)",
+                param="multi_modal_data")
         self._validate(processed.token_ids, pooling)
         return processed
 
@@ -71,6 +89,8 @@ class InputProcessor:
     def _process(self, prompt: PromptType) -> ProcessedPrompt:
         if prompt == "" or (isinstance(prompt, Mapping) and prompt.get("prompt") == ""):
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
+            return self._process_multimodal(prompt)
         if isinstance(prompt, str):
             processed = ProcessedPrompt(prompt, self._encode(prompt))
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -82,6 +102,19 @@ class InputProcessor:
             raise InvalidRequestError(
                 "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}", param="prompt")
         return processed
+
+    def _process_multimodal(self, prompt: Mapping[str, Any]) -> ProcessedPrompt:
+        if self.multimodal is None:
+            raise InvalidRequestError("this model takes no images or other multimodal inputs (multi_modal_data)",
+                                      param="multi_modal_data")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidRequestError("a prompt with multi_modal_data is a text {'prompt': str, ...}, whose "
+                                      "placeholders the model's processor expands", param="prompt")
+        token_ids, items = self.multimodal.process(text, prompt["multi_modal_data"],
+                                                   prompt.get("mm_processor_kwargs"),
+                                                   add_special_tokens=bool(prompt.get("add_special_tokens", True)))
+        return ProcessedPrompt(text, token_ids, prompt.get("cache_salt"), items)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -141,6 +174,8 @@ class InputProcessor:
             lora_name=lora_name,
             cache_salt=prompt.cache_salt,
             max_tokens=max_tokens,
+            mm_hashes=[(item.offset, item.length, item.content_hash) for item in prompt.mm_items],
+            mm_inputs=list(prompt.mm_items),
         )
 
 

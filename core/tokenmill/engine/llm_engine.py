@@ -19,6 +19,7 @@ from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
+from tokenmill.multimodal.loading import multimodal_processor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.request import Request, RequestStatus
@@ -50,6 +51,8 @@ class LLMEngine:
                                               validate_structured_outputs=self.core.structured_output.validate)
         if self.model_info.is_encoder:
             self.input_processor.max_pooling_prompt = self.model_info.max_prompt_tokens
+        self.input_processor.multimodal = multimodal_processor(self.core.checkpoint, self.core.plugins,
+                                                               config.limit_mm_per_prompt)
         # The scheduler's stats as of the last step (or abort): what the front end reads.
         self.scheduler_stats: SchedulerSnapshot = self.core.make_stats()
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -16,6 +16,7 @@ busy one. If the loop dies, every open stream and every later call raises
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -219,8 +220,12 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:  # its outputs would go to the other stream
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, pooling, truncate_prompt_tokens,
-                                               lora_request)
+        prepare = functools.partial(self.engine.prepare_request, request_id, prompt, params, priority, pooling,
+                                    truncate_prompt_tokens, lora_request)
+        # images go through the model's processor (resize, normalise): on a worker thread, so a big one
+        # does not hold up the event loop that streams every other request's tokens
+        has_media = not isinstance(prompt, str) and bool(prompt.get("multi_modal_data"))
+        prepared = await asyncio.to_thread(prepare) if has_media else prepare()
         self.admission.admit(request_id, len(prepared.prompt.token_ids) * len(prepared.requests))
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

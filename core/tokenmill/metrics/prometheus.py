@@ -40,6 +40,8 @@ class PrometheusStatLogger:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", "livemax")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.encoder_queries = counter("encoder_cache_queries", "Multimodal items looked up in the encoder cache")
+        self.encoder_hits = counter("encoder_cache_hits", "Multimodal items found in the encoder cache")
         self.preemptions = counter("num_preemptions", "Requests preempted because the KV cache ran out")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -73,7 +75,8 @@ class PrometheusStatLogger:
                        self.preemptions, self.prompt_tokens, self.generation_tokens, self.aborted,
                        self.draft_tokens, self.accepted_tokens, self.ttft, self.itl, self.e2e, self.queue,
                        self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens,
-                       self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load):
+                       self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load,
+                       self.encoder_queries, self.encoder_hits):
             self._child[metric] = metric.labels(self.model)
         self._last = SchedulerSnapshot()
 
@@ -87,6 +90,8 @@ class PrometheusStatLogger:
         self._advance(self.prefix_queries, scheduler.prefix_cache_queries - self._last.prefix_cache_queries)
         self._advance(self.prefix_hits, scheduler.prefix_cache_hits - self._last.prefix_cache_hits)
         self._advance(self.preemptions, scheduler.num_preemptions - self._last.num_preemptions)
+        self._advance(self.encoder_queries, scheduler.encoder_cache_queries - self._last.encoder_cache_queries)
+        self._advance(self.encoder_hits, scheduler.encoder_cache_hits - self._last.encoder_cache_hits)
         self._advance(self.draft_tokens,
                       scheduler.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
         self._advance(self.accepted_tokens,

@@ -29,6 +29,8 @@ class SchedulerSnapshot:
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0  # tokens found, since start
+    encoder_cache_queries: int = 0  # multimodal items looked up in the encoder cache, since start
+    encoder_cache_hits: int = 0  # of those, found (not encoded again)
     spec_decode_num_drafts: int = 0  # requests' steps that verified drafts, since start
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted, since start

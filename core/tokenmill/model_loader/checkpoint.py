@@ -30,5 +30,12 @@ class Checkpoint:
     format: str = "safetensors"
 
     @property
+    def text_config(self) -> Any:
+        """The language model's config: the whole config for a text model, its
+        ``text_config`` for a multimodal one (vocabulary, context length, heads)."""
+        get = getattr(self.hf_config, "get_text_config", None)
+        return get() if callable(get) else self.hf_config
+
+    @property
     def architectures(self) -> list[str]:
         return list(getattr(self.hf_config, "architectures", None) or [])

@@ -26,6 +26,7 @@ class NewRequestData:
     eos_token_id: int | None = None
     pooling: str | None = None
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model); fixed for its life
+    mm_inputs: list[Any] = field(default_factory=list)  # its MultiModalItems (images), encoded by the workers
 
 
 @dataclass
@@ -102,6 +103,9 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed for each request's next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Multimodal: this step's encoder-cache look-ups (one per item a step's tokens overlapped) and hits.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass

@@ -95,6 +95,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.encoder_cache_queries = 0  # multimodal items looked up in the workers' encoder cache, since start
+        self.encoder_cache_hits = 0
         self.spec_decode = SpecDecodeCounters()
         self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
                                           config.spec_backoff_tokens)
@@ -322,7 +324,7 @@ class Scheduler:
             plan.new.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                 num_computed, request.eos_token_id, request.pooling,
-                lora_slot=self._lora_slots.get(request.request_id, -1),
+                lora_slot=self._lora_slots.get(request.request_id, -1), mm_inputs=request.mm_inputs,
             ))
         plan.tokens[request.request_id] = num_new
         plan.budget -= num_new
@@ -331,6 +333,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.encoder_cache_queries += runner_output.encoder_cache_queries
+        self.encoder_cache_hits += runner_output.encoder_cache_hits
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:  # finished from outside meanwhile
@@ -433,6 +437,8 @@ class Scheduler:
             spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
             num_waiting_for_lora=len(self.waiting_for_lora),
+            encoder_cache_queries=self.encoder_cache_queries,
+            encoder_cache_hits=self.encoder_cache_hits,
             **lora,
         )
 

@@ -37,3 +37,30 @@ class CausalLM(Protocol):
         ...
 
     def modules(self) -> Iterator[nn.Module]: ...
+
+
+class MultiModalCausalLM(CausalLM, Protocol):
+    """A model that also takes images (or other items) in place of some prompt tokens.
+
+    The runner calls ``embed_multimodal`` for the items a step's tokens overlap that the
+    encoder cache lacks, then ``embed_input_ids`` for the step's embeddings, and runs the
+    forward with ``inputs_embeds`` (``input_ids`` then serve only as a shape).
+    """
+
+    def embed_multimodal(self, items: list[Any]) -> list[torch.Tensor]:
+        """One ``[item.length, hidden]`` tensor per :class:`~tokenmill.multimodal.MultiModalItem`,
+        from the tensors its processor made (``item.data``); row ``j`` replaces the item's
+        ``j``-th placeholder token."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeddings: torch.Tensor,
+                        is_multimodal: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of the step's tokens: the text embedding of each token,
+        except where ``is_multimodal`` (``[T]`` bool) is set, whose rows are taken from
+        ``mm_embeddings`` (``[is_multimodal.sum(), hidden]``), in order."""
+        ...
+
+
+def is_multimodal(model: Any) -> bool:
+    """Whether ``model`` implements :class:`MultiModalCausalLM`."""
+    return callable(getattr(model, "embed_multimodal", None)) and callable(getattr(model, "embed_input_ids", None))

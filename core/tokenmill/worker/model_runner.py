@@ -22,7 +22,8 @@ from tokenmill.platform import DeviceKVAllocator, KVCacheAllocator
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.model_interface import CausalLM
+from tokenmill.worker.model_interface import CausalLM, is_multimodal
+from tokenmill.worker.multimodal import MultiModalEmbedder
 from tokenmill.worker.prefault import populate_in_background
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.spec_decode import SpecDecodeRunner
@@ -46,7 +47,8 @@ class ModelRunner:
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
                  kv_allocator: KVCacheAllocator | None = None, samples: bool = True,
-                 mirrors_logits: bool = False, lora: LoRAModelSlots | None = None) -> None:
+                 mirrors_logits: bool = False, lora: LoRAModelSlots | None = None,
+                 mm_encoder_cache_size: int = 0) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
         ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
@@ -54,7 +56,9 @@ class ModelRunner:
         they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``).
         ``mirrors_logits``: such a rank still computes the logits rank 0 computes (and drops
         them), since a tensor-parallel lm_head gathers from every rank.
-        ``lora``: the model's LoRA slots, where LoRA is enabled."""
+        ``lora``: the model's LoRA slots, where LoRA is enabled.
+        ``mm_encoder_cache_size``: the encoder cache's budget in embedding rows, for a
+        multimodal model (:mod:`tokenmill.worker.multimodal`)."""
         self.model = model
         self.lora = lora
         self.backend = backend
@@ -74,6 +78,8 @@ class ModelRunner:
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         self._forward_result: _Forward | None = None  # from execute_model, for sample_tokens
         self.spec_decode: SpecDecodeRunner | None = None  # set where speculative decoding is on
+        self.multimodal = (MultiModalEmbedder(cast(Any, model), mm_encoder_cache_size)
+                           if is_multimodal(model) else None)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -144,12 +150,19 @@ class ModelRunner:
         self._prompt_logprobs(forward.inputs, forward.hidden, output)
         self._pool(forward.inputs, forward.hidden, output)
         self._sample(forward.inputs, forward.hidden, output, grammar, forward.token_logits)
+        if self.multimodal is not None:
+            output.encoder_cache_queries, output.encoder_cache_hits = self.multimodal.take_step_counts()
         if self.spec_decode is not None:
             self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states, and the logits of every token where a step graph computed them too."""
+        if self.multimodal is not None:  # a step with image tokens runs eagerly, from embeddings
+            embeds = self.multimodal.step_embeddings(inputs, self.batch)
+            if embeds is not None:
+                return cast(Any, self.model)(inputs.input_ids, inputs.positions, inputs.metadata,
+                                             inputs_embeds=embeds), None
         if self.graphs is not None:
             replayed = self.graphs.forward(self.model, inputs)
             if replayed is not None:
@@ -178,6 +191,7 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
                 pooling=new.pooling,
                 lora_slot=new.lora_slot,
+                mm_inputs=list(new.mm_inputs),
             )
             self.requests[new.req_id] = state
             self.batch.add(state)

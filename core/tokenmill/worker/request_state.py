@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ class CachedRequestState:
     eos_token_id: int | None = None
     pooling: str | None = None  # "last" / "mean" / "cls" for embedding requests
     lora_slot: int = -1  # its LoRA adapter's device slot (-1: the base model)
+    mm_inputs: list[Any] = field(default_factory=list)  # its MultiModalItems, in prompt order
     pooled_sum: torch.Tensor | None = None  # running sum of hidden states, for mean pooling; the first's, for cls
     output_token_ids: list[int] = field(default_factory=list)
     # prompt logprobs gathered so far, for a prompt computed in several chunks

@@ -145,7 +145,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         backend=backend,
         device=device,
         dtype=dtype,
-        vocab_size=checkpoint.hf_config.vocab_size,
+        vocab_size=checkpoint.text_config.vocab_size,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         block_size=config.block_size,
@@ -155,6 +155,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         samples=samples,
         mirrors_logits=comm.world_size > 1 and stage.is_last,  # only the last stage has an lm_head
         lora=lora,
+        mm_encoder_cache_size=config.mm_encoder_cache_size,
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)

@@ -158,10 +158,14 @@ class LlamaModel(nn.Module):
         self.stage_layers = stage.layer_range(config.num_hidden_layers)
         self.norm = on_stage(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs_embeds``: the tokens' embeddings, made by a multimodal model that wraps
+        this one (images in place of some tokens); None: embed ``input_ids``."""
         residual: torch.Tensor | None
         if self.stage.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = self.stage.receive(2, (input_ids.shape[0], self.hidden_size), self.dtype,
                                                   input_ids.device)
@@ -215,9 +219,11 @@ class LlamaForCausalLM(nn.Module):
         if shares_table:
             self.model.embed_tokens.tie(self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of the scheduled tokens."""
-        return self.model(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the scheduled tokens (from ``inputs_embeds`` where
+        a multimodal model gives them)."""
+        return self.model(input_ids, positions, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -275,8 +281,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         # the layers' shared table: it says which of its rows each token rotates by
         self.rotary = get_rotary_embedding(ctx, _head_size(config), config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, self.rotary.rope_positions(positions, metadata), metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, self.rotary.rope_positions(positions, metadata), metadata, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._unfused(weights))

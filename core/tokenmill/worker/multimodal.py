@@ -1,0 +1,102 @@
+"""The worker side of multimodal inputs: the encoder outputs a step's tokens need, merged
+into its token embeddings.
+
+A prompt's image tokens may be computed over several steps (chunked prefill cuts through
+an image; a prefix-cache hit may cover its first part): each step takes the rows of the
+encoder output that its own tokens cover. The output comes from the :class:`EncoderCache`
+when it is there, else from the model's ``embed_multimodal``, once per item per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.multimodal.encoder_cache import EncoderCache
+from tokenmill.multimodal.inputs import MultiModalItem
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.model_interface import MultiModalCausalLM
+from tokenmill.worker.step_inputs import StepInputs
+
+
+@dataclass
+class _Slice:
+    """Rows [lo, hi) of ``item``'s encoder output go to the step's flat tokens from ``flat``."""
+
+    item: MultiModalItem
+    flat: int
+    lo: int
+    hi: int
+
+
+class MultiModalEmbedder:
+    def __init__(self, model: MultiModalCausalLM, cache_size: int) -> None:
+        self.model = model
+        self.cache = EncoderCache(cache_size)
+        self._reported = (0, 0)  # the cache's (queries, hits) at the last take_step_counts
+
+    def take_step_counts(self) -> tuple[int, int]:
+        """The cache's look-ups and hits since the last call (the step's, for the metrics)."""
+        now = (self.cache.queries, self.cache.hits)
+        counts = (now[0] - self._reported[0], now[1] - self._reported[1])
+        self._reported = now
+        return counts
+
+    def step_embeddings(self, inputs: StepInputs, batch: InputBatch) -> torch.Tensor | None:
+        """The step's input embeddings, with the encoder outputs in place of the image tokens;
+        None when no scheduled token is an item's (the model embeds the ids itself)."""
+        slices = _step_slices(inputs, batch)
+        if not slices:
+            return None
+        outputs = self._encoder_outputs([s.item for s in slices])
+        mask = np.zeros(int(inputs.query_start[-1]), dtype=bool)
+        for s in slices:
+            mask[s.flat:s.flat + s.hi - s.lo] = True
+        rows = torch.cat([outputs[s.item.content_hash][s.lo:s.hi] for s in slices])
+        is_multimodal = torch.from_numpy(mask).to(inputs.input_ids.device)
+        return self.model.embed_input_ids(inputs.input_ids, rows, is_multimodal)
+
+    def _encoder_outputs(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
+        """Each item's whole encoder output, by content hash: cached, or encoded now (the
+        missing ones in one ``embed_multimodal`` call)."""
+        outputs: dict[str, torch.Tensor] = {}
+        missing: dict[str, MultiModalItem] = {}
+        for item in items:
+            key = item.content_hash
+            if key in outputs or key in missing:
+                continue
+            cached = self.cache.get(key)
+            if cached is not None:
+                outputs[key] = cached
+            else:
+                missing[key] = item
+        if missing:
+            encoded = self.model.embed_multimodal(list(missing.values()))
+            self.cache.encoded += len(missing)
+            for (key, item), output in zip(missing.items(), encoded, strict=True):
+                if output.shape[0] != item.length:
+                    raise RuntimeError(f"the encoder gave {output.shape[0]} embeddings for a {item.modality} "
+                                       f"of {item.length} placeholder tokens")
+                outputs[key] = output
+                self.cache.put(key, output)
+        return outputs
+
+
+def _step_slices(inputs: StepInputs, batch: InputBatch) -> list[_Slice]:
+    """Where the step's tokens meet the items of their requests, in flat token order."""
+    slices: list[_Slice] = []
+    for i, row in enumerate(inputs.rows):
+        state = batch.states[int(row)]
+        if not state.mm_inputs:
+            continue
+        start = int(inputs.context_lens[i])
+        end = start + int(inputs.num_scheduled[i])
+        for item in state.mm_inputs:
+            overlap = item.overlap(start, end)
+            if overlap is not None:
+                lo, hi = overlap
+                slices.append(_Slice(item, int(inputs.query_start[i]) + lo - start, lo - item.offset,
+                                     hi - item.offset))
+    return slices

@@ -1,0 +1,110 @@
+"""LLaVA: a CLIP vision tower, a two-layer projector, and a language model.
+
+Each image becomes the projected hidden states of its patches (without the class token
+under the ``default`` feature strategy), one per ``<image>`` token the processor put in
+the prompt. The language model is the one registered for the text config's architecture
+(:mod:`.language_model`); the runner hands it the merged embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.layers import ModelBuildContext, load_weight
+from tokenmill.plugin_api import AttentionMetadata
+from tokenmill_models_vlm.clip import ACTIVATIONS, CLIPVisionTower
+from tokenmill_models_vlm.language_model import build_language_model
+
+# transformers 5 names (model.vision_tower...) -> the checkpoint names this model uses
+_RENAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+_LANGUAGE = "language_model."
+
+
+class LlavaProjector(nn.Module):
+    def __init__(self, config: Any, vision_dim: int) -> None:
+        super().__init__()
+        bias = getattr(config, "multimodal_projector_bias", True)
+        text_dim = config.text_config.hidden_size
+        self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
+        self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias)
+        self.act = ACTIVATIONS[config.projector_hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    supports_pipeline_parallel: ClassVar[bool] = False
+
+    def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        self.config = config
+        layers = config.vision_feature_layer
+        feature_layers = [layers] if isinstance(layers, int) else list(layers)
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}")
+        self.drops_class_token = config.vision_feature_select_strategy == "default"
+        self.vision_tower = CLIPVisionTower(config.vision_config, feature_layers)
+        self.multi_modal_projector = LlavaProjector(config, config.vision_config.hidden_size * len(feature_layers))
+        self.language_model: Any = build_language_model(config.text_config, ctx.child("language_model"))
+
+    # -- the multimodal model interface (tokenmill.worker.model_interface.MultiModalCausalLM) --
+    def embed_multimodal(self, items: list[Any]) -> list[torch.Tensor]:
+        """Each image's projected patch features ``[patches, hidden]``; images of one size
+        go through the tower together."""
+        pixels = torch.cat([item.data["pixel_values"] for item in items]).to(self.multi_modal_projector.linear_1.weight)
+        states = self.vision_tower(pixels)
+        if self.drops_class_token:
+            states = [s[:, 1:] for s in states]
+        features = self.multi_modal_projector(torch.cat(states, dim=-1))
+        return list(features.unbind(0))
+
+    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeddings: torch.Tensor,
+                        is_multimodal: torch.Tensor) -> torch.Tensor:
+        embed_tokens = self.language_model.model.embed_tokens
+        embeds = embed_tokens(input_ids.masked_fill(is_multimodal, 0))  # an image token id may lie past the vocab
+        embeds[is_multimodal] = mm_embeddings.to(embeds.dtype)
+        return embeds
+
+    # -- the causal-LM interface -----------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors go to its own ``load_weights``; the tower's and the
+        projector's load here (the tower's unused layers are skipped)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unused = tuple(f"vision_tower.{p}" for p in self.vision_tower.unused_prefixes)
+
+        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = _canonical(name)
+                if name.startswith(_LANGUAGE):
+                    yield name.removeprefix(_LANGUAGE), tensor
+                elif not name.startswith(unused):
+                    if name not in params:
+                        raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                    load_weight(params[name], tensor)
+                    loaded.add(name)
+
+        loaded |= {_LANGUAGE + name for name in self.language_model.load_weights(language_weights())}
+        return loaded
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint name in the legacy layout (``language_model.model...``, ``vision_tower...``)."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name.removeprefix(old)
+            break
+    return name.replace("vision_tower.vision_model.", "vision_tower.")
