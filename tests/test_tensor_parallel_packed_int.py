@@ -17,6 +17,7 @@ import pytest
 import torch
 from awq_models import build_awq_pair, pack_awq
 from awq_models import quantize as awq_quantize
+from compressed_tensors_models import build_compressed_pair, compress_weight, preset
 from gptq_models import GptqRecipe, build_gptq_pair, gptq_tensors
 from gptq_models import quantize as gptq_quantize
 from quant_agreement import greedy_with_logprobs
@@ -25,6 +26,7 @@ from tiny_models import build_model
 from tokenmill import LLM
 from tokenmill.layers import Linear, MergedLinear, ModelBuildContext, load_weight
 from tokenmill_quant_awq.method import AwqLinearMethod
+from tokenmill_quant_compressed_tensors.packed import PackedIntLinearMethod
 from tokenmill_quant_gptq.method import GptqLinearMethod, GptqScheme
 
 Tensors = dict[str, torch.Tensor]
@@ -56,11 +58,20 @@ def _awq(group_size: int) -> tuple[MethodFactory, Callable[[torch.Tensor], Tenso
     return (lambda: AwqLinearMethod(group_size)), tensors
 
 
+def _pack_quantized(name: str, **weights: object) -> tuple[MethodFactory, Callable[[torch.Tensor], Tensors]]:
+    scheme = preset(name, **weights)
+    args = scheme.weights
+    return (lambda: PackedIntLinearMethod(args.num_bits, args.group_size, args.symmetric)), \
+        (lambda weight: compress_weight(weight, scheme, "pack-quantized")[0])
+
+
 METHODS = {
     "gptq-4bit-g16": _gptq(GptqRecipe(bits=4, group_size=16, sym=False), 1),
     "gptq-4bit-g16-act-order": _gptq(GptqRecipe(bits=4, group_size=16, sym=False, desc_act=True), 2),
     "gptq-8bit-one-group": _gptq(GptqRecipe(bits=8, group_size=-1, sym=True, checkpoint_format="gptq_v2"), 3),
     "awq-g16": _awq(16),
+    "compressed-tensors-W4A16_ASYM-g16": _pack_quantized("W4A16_ASYM", group_size=16),
+    "compressed-tensors-W8A16-channel": _pack_quantized("W8A16", strategy="channel", group_size=None),
 }
 
 
@@ -147,6 +158,10 @@ CHECKPOINTS: dict[str, Callable[[Path, Path, Path], None]] = {
     "gptq-4bit-g32-act-order": lambda f, q, d: build_gptq_pair(f, q, d, GptqRecipe(bits=4, group_size=32,
                                                                                    desc_act=True)),
     "awq-g32": lambda f, q, d: build_awq_pair(f, q, d, 32),
+    "compressed-tensors-W4A16_ASYM-group32": lambda f, q, d: build_compressed_pair(
+        f, q, d, preset("W4A16_ASYM", group_size=32), "pack-quantized"),
+    "compressed-tensors-W4A16-channel": lambda f, q, d: build_compressed_pair(
+        f, q, d, preset("W4A16", strategy="channel", group_size=None), "pack-quantized"),
 }
 
 
