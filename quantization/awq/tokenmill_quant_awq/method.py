@@ -50,21 +50,25 @@ class AwqLinearMethod:
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         group = input_size if self.group_size == -1 else self.group_size
-        if layer.output_loader.world_size > 1:
-            raise ValueError(f"{layer.prefix}: AWQ layers are not split over tensor-parallel ranks yet")
+        per_rank = " per rank" if layer.parallel == "row" else ""
         if input_size % group:
-            raise ValueError(f"{layer.prefix}: {input_size} input features do not divide into AWQ groups of {group}")
+            raise ValueError(f"{layer.prefix}: {input_size} input features{per_rank} do not divide into AWQ groups "
+                             f"of {group}")
         if any(size % PER_WORD for size in output_partition_sizes):
-            raise ValueError(f"{layer.prefix}: output shards {output_partition_sizes} are not multiples of "
+            where = f" (per rank, over {layer.output_loader.world_size} ranks)" if layer.parallel == "column" else ""
+            raise ValueError(f"{layer.prefix}: output shards {output_partition_sizes}{where} are not multiples of "
                              f"{PER_WORD} (AWQ packs {PER_WORD} output columns to a word)")
         words, groups = sum(output_partition_sizes) // PER_WORD, input_size // group
-        shards = layer.output_loader
-        layer.add_parameter("qweight", torch.zeros(input_size, words, dtype=torch.int32), output_dim=1,
+        # Row-parallel: each rank holds its inputs' rows of qweight and its whole groups of qzeros
+        # and scales; one group over all inputs (group_size -1) is the same on every rank.
+        shards, group_dim = layer.output_loader, 0 if self.group_size != -1 else None
+        layer.add_parameter("qweight", torch.zeros(input_size, words, dtype=torch.int32), output_dim=1, input_dim=0,
                             weight_loader=functools.partial(_load_packed, shards, "qweight"))
         layer.add_parameter("qzeros", torch.zeros(groups, words, dtype=torch.int32), output_dim=1,
-                            weight_loader=functools.partial(_load_packed, shards, "qzeros"))
+                            input_dim=group_dim, weight_loader=functools.partial(_load_packed, shards, "qzeros"))
         layer.add_parameter("scales", torch.zeros(groups, sum(output_partition_sizes), dtype=torch.float32),
-                            output_dim=1, weight_loader=functools.partial(_load_scales, shards, group))
+                            output_dim=1, input_dim=group_dim,
+                            weight_loader=functools.partial(_load_scales, shards, group))
         layer.register_buffer("g_idx", (torch.arange(input_size) // group).to(torch.int32), persistent=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -82,9 +86,12 @@ class AwqLinearMethod:
 
 def _load_packed(shards: OutputShardLoader, name: str, param: nn.Parameter, loaded: torch.Tensor,
                  shard_id: int | None = None) -> None:
-    """A packed tensor into its shard's words (``[rows, outputs / 8]``)."""
+    """A packed tensor into its shard's words (``[rows, outputs / 8]``). Under tensor parallelism
+    this rank's words are cut out first: whole words, as each rank's outputs are a multiple of 8
+    (checked when the layer was built), so the interleave inside a word is untouched."""
     if loaded.dtype != torch.int32:
         raise ValueError(f"{shards.prefix}.{name}: expected packed int32, the checkpoint has {loaded.dtype}")
+    loaded = shards.rank_slice(param, loaded, shard_id)
     offset, size = shards.shard_slice(shard_id) if shard_id is not None else (0, param.shape[1] * PER_WORD)
     target = param.data.narrow(1, offset // PER_WORD, size // PER_WORD)
     if target.shape != loaded.shape:
@@ -96,7 +103,9 @@ def _load_packed(shards: OutputShardLoader, name: str, param: nn.Parameter, load
 
 def _load_scales(shards: OutputShardLoader, group: int, param: nn.Parameter, loaded: torch.Tensor,
                  shard_id: int | None = None) -> None:
-    if loaded.dim() != 2 or loaded.shape[0] != param.shape[0]:
+    split = shards.input_split and getattr(param, "input_dim", None) is not None
+    groups = param.shape[0] * (shards.world_size if split else 1)
+    if loaded.dim() != 2 or loaded.shape[0] != groups:
         raise ValueError(f"{shards.prefix}.scales: shape {tuple(loaded.shape)}, but groups of {group} input "
-                         f"features make {param.shape[0]} groups (rows)")
+                         f"features make {groups} groups (rows)")
     shards(param, loaded.float(), shard_id)

@@ -41,16 +41,19 @@ class PackedIntLinearMethod:
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
-        if layer.output_loader.world_size > 1:
-            raise ValueError(f"{layer.prefix}: pack-quantized layers are not split over tensor-parallel ranks yet")
         per_word, outputs = 32 // self.bits, sum(output_partition_sizes)
         group = self.group_size or input_size
         groups = math.ceil(input_size / group)
+        if layer.parallel == "row":
+            _check_row_split(layer, input_size, per_word, self.group_size)
         shards = layer.output_loader
+        # Row-parallel: a rank's inputs are whole words of each row and whole groups (checked
+        # above); per-channel scales (one group over all inputs) are the same on every rank.
+        group_dim = 1 if self.group_size else None
         layer.add_parameter("weight_packed", torch.zeros(outputs, math.ceil(input_size / per_word), dtype=torch.int32),
-                            output_dim=0, weight_loader=functools.partial(_load_packed, shards))
+                            output_dim=0, input_dim=1, weight_loader=functools.partial(_load_packed, shards))
         layer.add_parameter("weight_scale", torch.zeros(outputs, groups, dtype=torch.float32), output_dim=0,
-                            weight_loader=functools.partial(_load_scale, shards, group, input_size))
+                            input_dim=group_dim, weight_loader=functools.partial(_load_scale, shards, group, input_size))
         layer.add_parameter("weight_shape", torch.zeros(2, dtype=torch.int64),
                             weight_loader=functools.partial(_check_shape, shards, input_size))
         if self.symmetric:
@@ -58,7 +61,7 @@ class PackedIntLinearMethod:
                                   persistent=False)
         else:
             layer.add_parameter("weight_zero_point", torch.full((outputs, groups), -1, dtype=torch.int32),
-                                output_dim=0, weight_loader=functools.partial(_load_zero_point, shards, self.bits))
+                                output_dim=0, input_dim=group_dim, weight_loader=functools.partial(_load_zero_point, shards, self.bits))
         layer.register_buffer("g_idx", (torch.arange(input_size) // group).to(torch.int32), persistent=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -78,8 +81,31 @@ class PackedIntLinearMethod:
         return out.reshape(*x.shape[:-1], weight.shape[1])
 
 
+def _check_row_split(layer: Linear, input_size: int, per_word: int, group_size: int | None) -> None:
+    """A row-parallel rank's inputs must be whole int32 words of every row (the last word of a
+    row is padded, so only the last rank could hold a partial one) and whole groups."""
+    if input_size % per_word:
+        raise ValueError(f"{layer.prefix}: {input_size} input features per rank over "
+                         f"{layer.output_loader.world_size} tensor-parallel ranks are not a multiple of {per_word} "
+                         f"(values to an int32 word of weight_packed)")
+    if group_size and input_size % group_size:
+        raise ValueError(f"{layer.prefix}: {input_size} input features per rank over "
+                         f"{layer.output_loader.world_size} tensor-parallel ranks do not hold whole groups of "
+                         f"{group_size}")
+
+
 def _rows(shards: OutputShardLoader, shard_id: int | None) -> int:
-    return shards.shard_slice(shard_id)[1] if shard_id is not None else sum(shards.partition_sizes)
+    """The checkpoint's output rows for shard ``shard_id`` (the whole layer's, before the rank's
+    slice of a column-parallel layer)."""
+    if shard_id is None:
+        return sum(shards.partition_sizes) * (shards.shard_parts[0] if shards.shard_parts else 1)
+    return shards.shard_slice(shard_id)[1] * (shards.shard_parts[shard_id] if shards.shard_parts else 1)
+
+
+def _full(shards: OutputShardLoader, param: nn.Parameter, dim: int, size: int) -> int:
+    """Size ``size`` of this rank's ``param`` along ``dim`` as the whole layer has it."""
+    split = shards.input_split and getattr(param, "input_dim", None) == dim
+    return size * (shards.world_size if split else 1)
 
 
 def _load_packed(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
@@ -91,9 +117,11 @@ def _load_packed(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.T
 
 def _load_scale(shards: OutputShardLoader, group: int, input_size: int, param: nn.Parameter, loaded: torch.Tensor,
                 shard_id: int | None = None) -> None:
-    if loaded.dim() != 2 or loaded.shape[1] != param.shape[1]:
+    groups = _full(shards, param, 1, param.shape[1])
+    if loaded.dim() != 2 or loaded.shape[1] != groups:
+        inputs = input_size * (shards.world_size if shards.input_split else 1)
         raise ValueError(f"{shards.prefix}.weight_scale: shape {tuple(loaded.shape)}, but groups of {group} over "
-                         f"{input_size} input features make {param.shape[1]} groups (columns)")
+                         f"{inputs} input features make {groups} groups (columns)")
     shards(param, loaded.float(), shard_id)
 
 
@@ -106,7 +134,7 @@ def _load_zero_point(shards: OutputShardLoader, bits: int, param: nn.Parameter, 
 
 def _check_shape(shards: OutputShardLoader, input_size: int, param: nn.Parameter, loaded: torch.Tensor,
                  shard_id: int | None = None) -> None:
-    expected = [_rows(shards, shard_id), input_size]
+    expected = [_rows(shards, shard_id), input_size * (shards.world_size if shards.input_split else 1)]
     if loaded.tolist() != expected:
         where = f"shard {shard_id} of " if shard_id is not None else ""
         raise ValueError(f"{shards.prefix}.weight_shape: the checkpoint's weight is {loaded.tolist()}, {where}the "

@@ -61,17 +61,22 @@ class GptqLinearMethod:
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         check_layer_shape(layer, self.scheme, input_size, output_partition_sizes)
-        per_word, groups, outputs = values_per_word(self.scheme.bits), self.scheme.groups(input_size), \
+        split_groups = _splits_groups(layer, self.scheme)
+        group_input = input_size * (layer.output_loader.world_size if _replicates_groups(layer, self.scheme) else 1)
+        per_word, groups, outputs = values_per_word(self.scheme.bits), self.scheme.groups(group_input), \
             sum(output_partition_sizes)
-        shards = layer.output_loader
+        shards, group_dim = layer.output_loader, 0 if split_groups else None
         layer.add_parameter("qweight", torch.zeros(input_size // per_word, outputs, dtype=torch.int32), output_dim=1,
-                            weight_loader=functools.partial(_load_qweight, shards))
+                            input_dim=0, weight_loader=functools.partial(_load_qweight, shards))
         layer.add_parameter("qzeros", torch.full((groups, outputs), -1, dtype=torch.int32), output_dim=1,
+                            input_dim=group_dim,
                             weight_loader=functools.partial(_load_qzeros, shards, self.scheme, input_size))
         layer.add_parameter("scales", torch.zeros(groups, outputs, dtype=torch.float32), output_dim=1,
+                            input_dim=group_dim,
                             weight_loader=functools.partial(_load_scales, shards, self.scheme, input_size))
-        g_idx = layer.add_parameter("g_idx", self.scheme.group_of(input_size),
-                                    weight_loader=functools.partial(_load_g_idx, shards))
+        g_idx = layer.add_parameter("g_idx", self.scheme.group_of(input_size), input_dim=0,
+                                    weight_loader=functools.partial(_load_g_idx, shards,
+                                                                    groups if split_groups else 0))
         g_idx.shards_loaded = 0  # type: ignore[attr-defined]  # read by _load_g_idx
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -118,15 +123,31 @@ def choose_packed_int_kernel(device: torch.device) -> str:
 def check_layer_shape(layer: Linear, scheme: GptqScheme, input_size: int, output_partition_sizes: list[int]) -> None:
     """Refuse, at build time, a layer the packed layout cannot describe."""
     per_word = values_per_word(scheme.bits)
-    if layer.output_loader.world_size > 1:
-        raise ValueError(f"{layer.prefix}: GPTQ layers are not split over tensor-parallel ranks yet")
+    per_rank = " per rank" if layer.parallel == "row" else ""
     if input_size % per_word:
-        raise ValueError(f"{layer.prefix}: {input_size} input features are not a multiple of {per_word} "
+        raise ValueError(f"{layer.prefix}: {input_size} input features{per_rank} are not a multiple of {per_word} "
                          f"({scheme.bits}-bit values, {per_word} to an int32 word of qweight)")
+    if _splits_groups(layer, scheme) and input_size % scheme.group_size:
+        raise ValueError(f"{layer.prefix}: {input_size} input features per rank over "
+                         f"{layer.output_loader.world_size} tensor-parallel ranks do not hold whole groups of "
+                         f"{scheme.group_size} (GPTQ group_size)")
     for size in output_partition_sizes:
         if size % per_word:
             raise ValueError(f"{layer.prefix}: an output shard of {size} features is not a multiple of {per_word} "
                              f"(qzeros packs {per_word} outputs to a word)")
+
+
+def _splits_groups(layer: Linear, scheme: GptqScheme) -> bool:
+    """A row-parallel layer without act-order holds its own inputs' groups: rank ``r`` the
+    ``r``-th run of whole groups. (One group over all inputs is the same on every rank.)"""
+    return layer.parallel == "row" and not scheme.desc_act and scheme.group_size != -1
+
+
+def _replicates_groups(layer: Linear, scheme: GptqScheme) -> bool:
+    """With act-order a rank's inputs belong to any of the groups, so a row-parallel layer keeps
+    every group's zeros and scales (a sixteenth of the packed weight at 4 bits, groups of 128)
+    and its slice of ``g_idx`` points into them."""
+    return layer.parallel == "row" and scheme.desc_act and scheme.group_size != -1
 
 
 def _load_qweight(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
@@ -138,9 +159,14 @@ def _load_qweight(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.
 
 def _check_groups(shards: OutputShardLoader, name: str, scheme: GptqScheme, input_size: int, param: nn.Parameter,
                   loaded: torch.Tensor) -> None:
-    if loaded.dim() != 2 or loaded.shape[0] != param.shape[0]:
+    """The checkpoint's (whole layer's) group count against the layer's: a row-parallel
+    layer that splits its groups holds ``1 / world_size`` of them."""
+    split = shards.input_split and getattr(param, "input_dim", None) is not None
+    groups, inputs = param.shape[0] * (shards.world_size if split else 1), \
+        input_size * (shards.world_size if shards.input_split else 1)
+    if loaded.dim() != 2 or loaded.shape[0] != groups:
         raise ValueError(f"{shards.prefix}.{name}: shape {tuple(loaded.shape)}, but group_size {scheme.group_size} "
-                         f"over {input_size} input features makes {param.shape[0]} groups (rows)")
+                         f"over {inputs} input features makes {groups} groups (rows)")
 
 
 def _load_qzeros(shards: OutputShardLoader, scheme: GptqScheme, input_size: int, param: nn.Parameter,
@@ -158,11 +184,14 @@ def _load_scales(shards: OutputShardLoader, scheme: GptqScheme, input_size: int,
     shards(param, loaded.float(), shard_id)
 
 
-def _load_g_idx(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
+def _load_g_idx(shards: OutputShardLoader, rank_groups: int, param: nn.Parameter, loaded: torch.Tensor,
                 shard_id: int | None = None) -> None:
-    if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"{shards.prefix}.g_idx: shape {tuple(loaded.shape)} for {param.shape[0]} input features")
-    loaded = loaded.to(torch.int32)
+    """``rank_groups``: the groups each rank holds when a row-parallel layer splits them (this
+    rank's slice of ``g_idx`` then counts from its first group), else 0."""
+    inputs = param.shape[0] * (shards.world_size if shards.input_split else 1)
+    if tuple(loaded.shape) != (inputs,):
+        raise ValueError(f"{shards.prefix}.g_idx: shape {tuple(loaded.shape)} for {inputs} input features")
+    loaded = shards.rank_slice(param, loaded.to(torch.int32), None) - shards.rank * rank_groups
     if param.shards_loaded and not torch.equal(param.data, loaded):  # type: ignore[attr-defined]
         raise ValueError(f"{shards.prefix}: the merged projections have different g_idx (act orders); "
                          "they cannot share one matmul")
