@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
     from tokenmill.config import EngineConfig, parse_size
     from tokenmill.executor import Executor, UniProcExecutor
+    from tokenmill.kv_transfer import (
+        KVConnectorContext,
+        KVConnectorOutput,
+        KVConnectorScheduler,
+        KVConnectorWorker,
+        KVTransferConfig,
+        ScheduledKVRequest,
+    )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
         DeviceKVAllocator,
@@ -59,6 +67,7 @@ if TYPE_CHECKING:
         ReasoningStreamer,
         as_structural_format,
     )
+    from tokenmill.request import Request
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
     from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
     from tokenmill.spec_decode.config import SpeculativeConfig
@@ -100,6 +109,9 @@ _LAZY = {
     **dict.fromkeys(["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput"],
                     "tokenmill.scheduler.output"),
     **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext"], "tokenmill.spec_decode.proposer"),
+    **dict.fromkeys(["KVConnectorContext", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
+                     "KVTransferConfig", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
+    "Request": "tokenmill.request",
 }
 
 
@@ -182,6 +194,15 @@ __all__ = [
     "Proposer",
     "ProposerContext",
     "SpeculativeConfig",
+    # KV connectors (disaggregated prefill/decode, KV offload): the two halves' contract, what they
+    # are built with and report, and the request as the scheduler half sees it (read-only)
+    "KVConnectorContext",
+    "KVConnectorOutput",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "KVTransferConfig",
+    "Request",
+    "ScheduledKVRequest",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

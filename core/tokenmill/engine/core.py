@@ -15,6 +15,8 @@ from tokenmill.executor import Executor, create_executor
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_transfer.connector import KVConnectorContext, KVConnectorScheduler
+from tokenmill.kv_transfer.registry import build_scheduler_connector, connector_spec
 from tokenmill.lora.adapter import LoRAAdapterLoader
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
@@ -57,6 +59,8 @@ class EngineCore:
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.hf_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)
+        if config.kv_transfer_config is not None:  # an unknown connector fails the start, before any worker
+            connector_spec(self.plugins, config.kv_transfer_config.kv_connector)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(self.checkpoint.hf_config,
                                     resolve_model_class(self.checkpoint, self.plugins, self.platform),
@@ -82,9 +86,17 @@ class EngineCore:
             policy=config.scheduling_policy,
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-        ), self.kv_manager, self.structured_output, self.lora)
+        ), self.kv_manager, self.structured_output, self.lora, self._kv_connector())
         self._building_thread = threading.get_ident()
         self._warned_thread = False
+
+    def _kv_connector(self) -> KVConnectorScheduler | None:
+        """The scheduler half of the ``kv_transfer_config`` connector, if one is configured."""
+        if self.config.kv_transfer_config is None:
+            return None
+        context = KVConnectorContext(self.config.kv_transfer_config, self.config, self.config.block_size,
+                                     dtype=self.dtype)
+        return build_scheduler_connector(self.plugins, context)
 
     def _lora_manager(self) -> LoRAManager | None:
         """Where LoRA is enabled: adapters are checked against the layers rank 0's model wraps."""

@@ -40,6 +40,10 @@ class PrometheusStatLogger:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", "livemax")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.external_hits = counter("prefix_cache_external_hits", "Prompt tokens loaded through the KV connector "
+                                     "(a remote producer's KV, or an offload tier's)")
+        self.waiting_for_kv = gauge("num_requests_waiting_for_remote_kvs", "Requests whose prompt KV is being "
+                                    "loaded through the KV connector", "livesum")
         self.preemptions = counter("num_preemptions", "Requests preempted because the KV cache ran out")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -73,7 +77,8 @@ class PrometheusStatLogger:
                        self.preemptions, self.prompt_tokens, self.generation_tokens, self.aborted,
                        self.draft_tokens, self.accepted_tokens, self.ttft, self.itl, self.e2e, self.queue,
                        self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens,
-                       self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load):
+                       self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load,
+                       self.external_hits, self.waiting_for_kv):
             self._child[metric] = metric.labels(self.model)
         self._last = SchedulerSnapshot()
 
@@ -87,6 +92,8 @@ class PrometheusStatLogger:
         self._advance(self.prefix_queries, scheduler.prefix_cache_queries - self._last.prefix_cache_queries)
         self._advance(self.prefix_hits, scheduler.prefix_cache_hits - self._last.prefix_cache_hits)
         self._advance(self.preemptions, scheduler.num_preemptions - self._last.num_preemptions)
+        self._advance(self.external_hits, scheduler.prefix_cache_external_hits - self._last.prefix_cache_external_hits)
+        child[self.waiting_for_kv].set(scheduler.num_waiting_for_remote_kvs)
         self._advance(self.draft_tokens,
                       scheduler.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
         self._advance(self.accepted_tokens,

@@ -11,6 +11,7 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.kv_transfer.connector import KVConnectorOutput
     from tokenmill.metrics.stats import SchedulerSnapshot
 
 
@@ -76,6 +77,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # LoRA adapters (``LoRAAdapter``) to copy into device slots before this step runs, by slot.
     lora_loads: dict[int, Any] = field(default_factory=dict)
+    # KV connector: what its worker side loads and saves this step (its scheduler side built it).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +100,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed for each request's next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: the loads and sends its worker side finished (or failed) since the last step.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass
