@@ -34,7 +34,8 @@ class ScriptedConnector:
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         self.allocated[request.request_id] = (list(block_ids), num_external_tokens)
 
-    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest], finished_req_ids: set[str]) -> Any:
+    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest], finished_req_ids: set[str],
+                             preempted_req_ids: set[str]) -> Any:
         self.steps.append(([s.request.request_id for s in scheduled], set(finished_req_ids)))
         return {"step": len(self.steps)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -35,6 +36,9 @@ from tokenmill.worker.spec import WorkerSpec, loaded_plugin_names
 # With nothing runnable but requests whose grammar compiles, step() waits this
 # long for one to finish instead of spinning on empty steps.
 _GRAMMAR_WAIT_S = 0.05
+# With nothing runnable but requests whose KV is being loaded, a step that learnt of no finished
+# load sleeps this long before the next, instead of spinning on empty steps.
+_KV_LOAD_WAIT_S = 0.002
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +158,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests' blocks the KV connector still keeps: an idle engine steps now and
+        then (``AsyncLLM``) so that they are freed once sent or their lease ends."""
+        return self.scheduler.has_kept_blocks
+
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` (a core request) is waiting or running."""
         return request_id in self.scheduler.requests
@@ -176,6 +185,9 @@ class EngineCore:
         forward.result()
         runner_output = self.executor.sample_tokens(grammar)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        kv_news = runner_output.kv_connector_output
+        if scheduler_output.is_empty and self.scheduler.waiting_for_remote_kvs and (kv_news is None or kv_news.is_empty):
+            time.sleep(_KV_LOAD_WAIT_S)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), scheduler_output.total_num_scheduled_tokens)
 
     def _warn_other_thread(self) -> None:

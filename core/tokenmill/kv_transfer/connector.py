@@ -13,9 +13,10 @@ scheduler (engine process), in ``Scheduler.schedule()``:
      can be loaded from outside. If any, the core allocates blocks for them, calls
      ``update_state_after_alloc(request, block_ids, num_external)`` and parks the request in
      ``WAITING_FOR_REMOTE_KVS``, outside the waiting queue: it blocks nobody;
-  2. ``build_connector_meta(scheduled, finished_req_ids)``: what the workers must load or
-     save this step, for any requests (``scheduled`` lists the ones that run this step, with
-     their block tables).
+  2. ``build_connector_meta(scheduled, finished_req_ids, preempted_req_ids)``: what the
+     workers must load or save this step, for any requests (``scheduled`` lists the ones that
+     run this step, with their block tables; a preempted request's blocks are gone, maybe to
+     another request this very step).
 worker (each worker), in ``ModelRunner.execute_model``:
   3. ``bind_connector_metadata(meta)``, then ``start_load_kv()`` before the forward (also in
      a step that runs no forward): a load into blocks may finish now or later;
@@ -35,9 +36,10 @@ scheduler, in ``update_from_output``:
      reports the request in ``finished_sending``; the connector must report it in the end
      (after a lease if no consumer comes), or the blocks stay taken.
 
-A finished or aborted request is in the next step's ``finished_req_ids``: a worker side must
-stop writing into its blocks before that step's ``start_load_kv`` returns, since the core may
-hand them to another request in that very step.
+A finished, aborted or preempted request is in the next step's ``finished_req_ids`` or
+``preempted_req_ids``: a worker side must stop reading and writing its blocks (unless kept)
+before that step's ``start_load_kv`` returns, since the core may hand them to another request
+in that very step.
 """
 
 from __future__ import annotations
@@ -120,9 +122,12 @@ class KVConnectorScheduler(Protocol):
         side should load. The next ``build_connector_meta`` should tell it to."""
         ...
 
-    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest], finished_req_ids: set[str]) -> Any:
+    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest], finished_req_ids: set[str],
+                             preempted_req_ids: set[str]) -> Any:
         """This step's metadata for the worker side (picklable; it crosses processes).
-        ``finished_req_ids``: requests finished or aborted since the last step."""
+        ``finished_req_ids``: requests finished or aborted since the last step;
+        ``preempted_req_ids``: requests preempted since then (their blocks were freed, their
+        computed tokens are 0 again)."""
         ...
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:

@@ -182,6 +182,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_kept_blocks(self) -> bool:
+        """Finished requests whose blocks the KV connector keeps (until sent, or a lease ends):
+        steps must go on, idle or not, for its worker half to report them."""
+        return bool(self._kept_blocks)
+
     # -- scheduling -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
@@ -204,7 +210,7 @@ class Scheduler:
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
-                self._scheduled_kv_requests(plan), set(self._finished_ids))
+                self._scheduled_kv_requests(plan), set(self._finished_ids), set(self._preempted_ids))
         self._finished_ids, self._preempted_ids = set(), set()
         return output
 

@@ -34,8 +34,8 @@ class SharedStorageScheduler:
         last = first + num_external_tokens // self.block_size
         self._loads[request.request_id] = [(block_ids[i], request.block_hashes[i].hex()) for i in range(first, last)]
 
-    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest],
-                             finished_req_ids: set[str]) -> SharedStorageMetadata:
+    def build_connector_meta(self, scheduled: Sequence[ScheduledKVRequest], finished_req_ids: set[str],
+                             preempted_req_ids: set[str]) -> SharedStorageMetadata:
         loads, self._loads = self._loads, {}
         for req_id in finished_req_ids:
             loads.pop(req_id, None)
