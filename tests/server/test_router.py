@@ -1,6 +1,6 @@
 """``tokenmill router`` over real ``tokenmill serve`` processes on 127.0.0.1: a prefill server
-(a ``kv_shared_storage`` producer), a decode server (its consumer) and the router, driven by the
-openai client. Through the router, completions and chat (streamed or not) are a single server's
+(a KV producer), a decode server (its consumer) and the router, driven by the openai client,
+with each connector (``kv_shared_storage``, ``kv_zmq``). Through the router, completions and chat (streamed or not) are a single server's
 greedy output, and the decode server loads the prompts' KV instead of computing it; a dead
 prefill server costs a recompute on decode, and a client that leaves mid-stream leaves no
 request and no block taken on either side."""
@@ -70,16 +70,43 @@ def _transfer(role: str, folder: Path) -> str:
                        "kv_connector_extra_config": {"shared_storage_path": str(folder)}})
 
 
-@pytest.fixture(scope="module")
-def disaggregated(start_server, tiny_args, tmp_path_factory):
+def _zmq_endpoint() -> str:
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _zmq(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "kv_zmq", "kv_role": role, "kv_connector_extra_config": extra})
+
+
+def _pair_args(connector: str, tmp_path_factory) -> tuple[str, str]:
+    """--kv-transfer-config values of a producer and its consumer."""
+    if connector == "kv_shared_storage":
+        folder = tmp_path_factory.mktemp("kv-store")
+        return _transfer("kv_producer", folder), _transfer("kv_consumer", folder)
+    endpoint = _zmq_endpoint()
+    return _zmq("kv_producer", bind=endpoint), _zmq("kv_consumer", peers=[endpoint])
+
+
+@pytest.fixture(scope="module", params=["kv_shared_storage", "kv_zmq"])
+def disaggregated(request, start_server, tiny_args, tmp_path_factory):
     """(a plain server, the prefill server, the decode server, the router over those two)."""
-    folder = tmp_path_factory.mktemp("kv-store")
+    producer_config, consumer_config = _pair_args(request.param, tmp_path_factory)
     plain = start_server(tiny_args())
-    prefill = start_server(tiny_args("--kv-transfer-config", _transfer("kv_producer", folder)))
-    decode = start_server(tiny_args("--kv-transfer-config", _transfer("kv_consumer", folder)))
+    prefill = start_server(tiny_args("--kv-transfer-config", producer_config))
+    decode = start_server(tiny_args("--kv-transfer-config", consumer_config))
     router = Router([prefill.url], [decode.url], tmp_path_factory.mktemp("router") / "router.log")
     yield plain, prefill, decode, router
     router.stop()
+
+
+def _wait_all_free(server: Server, timeout_s: float = 15) -> dict:
+    """Stats once every KV block is free (a producer frees kept blocks once sent, or at their lease's end)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.wait_idle()
+        if stats["kv_blocks_free"] == stats["kv_blocks_total"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 def _counters(server: Server) -> dict[str, float]:
@@ -139,7 +166,9 @@ def test_through_the_router_output_is_a_single_servers_and_decode_loads_the_prom
     assert hits == loadable  # every whole prompt block came from the prefill server
     # computed on decode: each prompt's tail (under a block) and its decode steps, never a whole prompt
     assert computed == sum(prompt_lengths) - loadable + len(prompts) * (MAX_TOKENS - 1)
-    assert decode.wait_idle()["kv_blocks_free"] == decode.stats()["kv_blocks_total"]
+    for server in (_prefill, decode):
+        stats = _wait_all_free(server)
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
 
 
 def test_a_dead_prefill_server_costs_a_recompute_on_decode(disaggregated, start_server, tiny_args, tmp_path_factory):
@@ -167,16 +196,65 @@ def test_a_dead_prefill_server_costs_a_recompute_on_decode(disaggregated, start_
 
 def test_a_client_leaving_mid_stream_leaves_nothing_taken_on_either_side(disaggregated):
     _plain, prefill, decode, router = disaggregated
-    long_body = {"model": MODEL, "prompt": _token_prompts(11)[3], "max_tokens": 100, "temperature": 0,
+    # 8 samples of 230 tokens: far longer than reading one event and leaving
+    long_body = {"model": MODEL, "prompt": _token_prompts(11)[0], "max_tokens": 230, "n": 8, "temperature": 0,
                  "ignore_eos": True, "stream": True}
+    before = decode.stats()["client_disconnects"]
     with httpx.Client(base_url=router.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=long_body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(lines).startswith("data: {")
-            assert decode.stats()["running"] == 1  # generating on decode, connected
     for server in (prefill, decode):
-        stats = server.wait_idle()
+        stats = _wait_all_free(server)
         assert stats["running"] == stats["waiting"] == stats["unfinished"] == 0, stats
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
-    assert decode.stats()["client_disconnects"] >= 1
+    assert decode.stats()["client_disconnects"] == before + 1  # aborted there, not run to its end
+
+
+@pytest.fixture(scope="module")
+def zmq_pair(tiny_args, tmp_path_factory):
+    """A kv_zmq producer with a 1 s lease and its consumer (fetches time out after 2 s), unrouted."""
+    endpoint = _zmq_endpoint()
+    producer = Server(tiny_args("--kv-transfer-config", _zmq("kv_producer", bind=endpoint, lease_s=1)),
+                      tmp_path_factory.mktemp("producer") / "server.log")
+    consumer = Server(tiny_args("--kv-transfer-config", _zmq("kv_consumer", peers=[endpoint], fetch_timeout_s=2)),
+                      tmp_path_factory.mktemp("consumer") / "server.log")
+    yield producer, consumer
+    consumer.stop()
+    producer.stop()
+
+
+def _prefill_directly(server: Server, prompt: list[int]) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+
+
+def test_a_zmq_producer_frees_what_no_consumer_fetches_after_its_lease(zmq_pair):
+    producer, _consumer = zmq_pair
+    _prefill_directly(producer, _token_prompts(21)[3])
+    stats = producer.wait_idle()
+    assert stats["kv_blocks_free"] < stats["kv_blocks_total"]  # kept for a consumer...
+    stats = _wait_all_free(producer)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats  # ...until the lease ended
+
+
+def test_a_zmq_producer_killed_before_the_fetch_costs_the_consumer_a_recompute(zmq_pair, start_server, tiny_args):
+    plain = start_server(tiny_args())
+    producer, consumer = zmq_pair
+    prompt = _token_prompts(22)[3]
+    _prefill_directly(producer, prompt)
+    producer.process.send_signal(signal.SIGKILL)
+    producer.process.wait()
+    before = _counters(consumer)
+    consumer_client = openai.OpenAI(base_url=f"{consumer.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain_client = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    started = time.monotonic()
+    text, _ = _complete(consumer_client, prompt, stream=False)
+    assert time.monotonic() - started < 30  # the fetch deadline (2 s), not a long fixed wait
+    assert text == _complete(plain_client, prompt, stream=False)[0]
+    after = _counters(consumer)
+    assert after["tokenmill:prefix_cache_external_hits_total"] == before["tokenmill:prefix_cache_external_hits_total"]
+    stats = _wait_all_free(consumer)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
