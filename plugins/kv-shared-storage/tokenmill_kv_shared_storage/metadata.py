@@ -15,10 +15,12 @@ SUFFIX = ".kvb"
 class SharedStorageMetadata:
     """``loads``: per request, the blocks to fill from their files (all or nothing: a request
     whose files do not all check out is reported failed). ``saves``: blocks whose KV this step
-    completes, to write unless their file exists."""
+    completes, to write unless their file exists. ``cancelled``: requests that ended or were
+    preempted since the last step: a load still running for one is dropped."""
 
     loads: dict[str, list[BlockRef]] = field(default_factory=dict)
     saves: list[BlockRef] = field(default_factory=list)
+    cancelled: set[str] = field(default_factory=set)
 
 
 def storage_folder(extra_config: dict[str, Any]) -> Path:

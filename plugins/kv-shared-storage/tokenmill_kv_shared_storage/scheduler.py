@@ -40,7 +40,7 @@ class SharedStorageScheduler:
         for req_id in finished_req_ids:
             loads.pop(req_id, None)
         saves = [ref for entry in scheduled for ref in self._completed_blocks(entry)] if self.config.is_producer else []
-        return SharedStorageMetadata(loads, saves)
+        return SharedStorageMetadata(loads, saves, finished_req_ids | preempted_req_ids)
 
     def _completed_blocks(self, entry: ScheduledKVRequest) -> list[BlockRef]:
         """The blocks whose last token this step computes (their files are written after it)."""
