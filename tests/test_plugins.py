@@ -11,7 +11,7 @@ from tiny_models import hf_greedy
 from worker_probe import on_rank_zero
 
 from tokenmill import LLM, PluginError, SamplingParams, UnsupportedModelError
-from tokenmill.hookspecs import ExperimentalHookWarning, hookimpl, is_experimental
+from tokenmill.hookspecs import ExperimentalHookWarning, _experimental, hookimpl, hookspec, is_experimental
 from tokenmill.plugins.manager import ENTRY_POINT_GROUP, PluginInfo, PluginManager
 
 
@@ -151,8 +151,15 @@ def test_collect_calls_through_pluggy_and_keeps_who_answered():
 
 
 def test_implementing_an_experimental_hook_warns_and_is_listed_as_such():
+    class ReservedSpecs:  # a reserved hook, declared the way hookspecs.py declares one (none is, today)
+        @hookspec(warn_on_impl=_experimental("tokenmill_reserved_hook"))
+        def tokenmill_reserved_hook(self) -> None:
+            """Reserved."""
+
+    manager = PluginManager()
+    manager.pm.add_hookspecs(ReservedSpecs)
     with pytest.warns(ExperimentalHookWarning, match="not called by this version"):
-        manager = _manager_with(connector=_Plugin(tokenmill_register_kv_connectors=lambda: []))
-    assert manager.hooks_of("connector") == ["tokenmill_register_kv_connectors"]
-    assert is_experimental("tokenmill_register_kv_connectors")
+        manager.register(_Plugin(tokenmill_reserved_hook=lambda: None), PluginInfo("early", "dist-early", "1.0", "e"))
+    assert manager.hooks_of("early") == ["tokenmill_reserved_hook"]
+    assert not is_experimental("tokenmill_register_kv_connectors")  # it has a caller now
     assert not is_experimental("tokenmill_register_models")

@@ -10,6 +10,7 @@ from tokenmill.config import EngineConfig
 from tokenmill_cli import generate, plugins, serve
 from tokenmill_cli.bench.app import build_bench_app
 from tokenmill_cli.engine_options import MODEL_ARGUMENT, MODEL_OPTION, engine_command
+from tokenmill_cli.router.command import router
 from tokenmill_cli.tokenizer import build_tokenizer_app
 
 
@@ -26,6 +27,8 @@ def build_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
         engine_command(generate.generate, config_cls, model=MODEL_OPTION))
     app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.")(
         engine_command(serve.serve, config_cls, model=MODEL_ARGUMENT))
+    app.command("router", help="Disaggregated prefill/decode: an OpenAI-compatible front over prefill and decode "
+                               "servers.")(router)
     app.add_typer(build_bench_app(config_cls), name="bench",
                   help="Benchmarks: throughput, latency, serve; random-model makes a checkpoint.")
     app.add_typer(build_tokenizer_app(), name="tokenizer", help="A model's tokenizer: export it as a folder.")

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -118,6 +119,10 @@ class EngineConfig(BaseModel):
         None, description="Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} "
                           "or {\"model\": DRAFT, \"num_speculative_tokens\": 3}; the method is a proposer by its "
                           "registered name (see `tokenmill plugins`; default: none)", json_schema_extra=cli(_RUN))
+    kv_transfer_config: KVTransferConfig | None = Field(
+        None, description="KV connector, as JSON: {\"kv_connector\": NAME, \"kv_role\": \"kv_producer\"|"
+                          "\"kv_consumer\"|\"kv_both\", \"kv_connector_extra_config\": {...}}; the connector "
+                          "by its registered name (see `tokenmill plugins`; default: none)", json_schema_extra=cli(_RUN))
     enable_lora: bool = Field(False, description="Serve LoRA adapters (a request names one; see docs/lora.md)",
                               json_schema_extra=cli(_LORA))
     max_loras: int = Field(4, ge=1, description="LoRA adapters one step can use: the device slots",
@@ -182,6 +187,12 @@ class EngineConfig(BaseModel):
                              "adapter in a device slot is also kept in host memory")
         if self.enable_lora and self.pipeline_parallel_size > 1:  # rank 0 alone cannot check every layer's targets
             raise ValueError("LoRA under pipeline parallelism is not supported yet")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_transfer(self) -> EngineConfig:
+        if self.kv_transfer_config is not None and self.world_size > 1:
+            raise ValueError("a KV connector (kv_transfer_config) runs with one worker rank only, for now")
         return self
 
     @property

@@ -49,14 +49,17 @@ calls the hooks in this order, each in the process named:
    :func:`tokenmill_register_structured_output_backends`;
 8. with a ``speculative_config`` only: :func:`tokenmill_register_spec_decode_methods`,
    in the engine process (checking the method before any worker starts) and in the
-   worker that samples (building the proposer once its runner exists).
+   worker that samples (building the proposer once its runner exists);
+9. with a ``kv_transfer_config`` only: :func:`tokenmill_register_kv_connectors`, in the
+   engine process (checking the connector before any worker starts, building its scheduler
+   half) and in each worker (building its worker half once the runner exists).
 
 The server calls :func:`tokenmill_register_tool_parsers` and
 :func:`tokenmill_register_reasoning_parsers` when it starts.
 ``tokenmill plugins`` calls every registration hook (those taking no argument
 but ``platform``) to list what each plugin registers.
 
-The hooks of the *experimental* block at the end are reserved names that this
+Hooks declared *experimental* (none in this version) are reserved names that this
 version of tokenmill never calls: implementing one warns
 (:class:`ExperimentalHookWarning`) and ``tokenmill plugins`` marks it "not called
 by this version".
@@ -387,21 +390,48 @@ def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
     """
 
 
-# ---------------------------------------------------------------------------
-# Experimental: reserved names this version never calls. An implementation is
-# accepted (with an ExperimentalHookWarning) and ignored; the issue that needs
-# each one gives it a caller and moves it up to its phase.
-# ---------------------------------------------------------------------------
-
-
-@hookspec(warn_on_impl=_experimental("tokenmill_register_kv_connectors"))
+@hookspec
 def tokenmill_register_kv_connectors() -> list[KVConnectorSpec] | None:
-    """Return KV connectors, a scheduler half and a worker half each (reserved).
+    """Return KV connectors: what moves a request's KV cache between engines (disaggregated
+    prefill and decode) or to and from an external tier (offload).
 
-    :returns: :class:`~tokenmill.plugins.specs.KVConnectorSpec` records.
+    :returns: :class:`~tokenmill.plugins.specs.KVConnectorSpec` records: ``name`` (what
+        ``kv_transfer_config={"kv_connector": NAME}`` selects), ``scheduler_qualname`` and
+        ``worker_qualname`` (``"module:Class"`` of its two halves, implementing
+        :class:`tokenmill.plugin_api.KVConnectorScheduler` and
+        :class:`tokenmill.plugin_api.KVConnectorWorker`, imported only when chosen; each is
+        built as ``cls(context: KVConnectorContext)``).
 
-    Called: never by this version. Collect hook.
+    Called: in the engine process when it starts with a ``kv_transfer_config`` (to check the
+    connector exists, then to build its scheduler half next to the scheduler), in each worker
+    (to build its worker half once the model runner exists; it is handed the KV tensors when
+    they are allocated), and by ``tokenmill plugins``.
+
+    The two halves talk only through the metadata the scheduler half builds each step (carried
+    to the workers in ``SchedulerOutput.kv_connector_metadata``) and the
+    :class:`~tokenmill.plugin_api.KVConnectorOutput` the worker half reports with each step's
+    output. The scheduler half is asked, once per waiting request and after the local
+    prefix-cache lookup, how many more prompt tokens it can load (whole blocks, never the last
+    prompt token); such a request gets blocks and waits in ``WAITING_FOR_REMOTE_KVS`` without
+    holding up the queue, until the worker half reports its load finished (it then runs with
+    those tokens computed) or failed (it computes them itself: a failed, corrupt or late load
+    is never used). The worker half starts loads before each forward, may wait for and save
+    each attention layer's KV inside the forward, and finishes its saves after it. When a
+    request ends, the scheduler half may keep its blocks until the worker half reports them
+    sent. The step-by-step contract is in :mod:`tokenmill.kv_transfer.connector` and
+    docs/plugins.md.
+
+    Default: none in the core; ``kv_shared_storage`` ships in ``tokenmill-kv-shared-storage``.
+    Collect hook; names must be unique across plugins.
     """
+
+
+# ---------------------------------------------------------------------------
+# Reserved names this version never calls go here, each as
+# ``@hookspec(warn_on_impl=_experimental(NAME))``: an implementation is accepted (with an
+# ExperimentalHookWarning) and ignored; the issue that needs one gives it a caller and moves
+# it up to its phase. None is reserved today.
+# ---------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------

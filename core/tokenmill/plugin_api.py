@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
     from tokenmill.config import EngineConfig, parse_size
     from tokenmill.executor import Executor, UniProcExecutor
+    from tokenmill.kv_transfer import (
+        KVConnectorContext,
+        KVConnectorOutput,
+        KVConnectorScheduler,
+        KVConnectorWorker,
+        KVTransferConfig,
+        ScheduledKVRequest,
+    )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.platform import (
         ActivationProfiling,
@@ -64,6 +72,7 @@ if TYPE_CHECKING:
         ReasoningStreamer,
         as_structural_format,
     )
+    from tokenmill.request import Request
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
     from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
     from tokenmill.spec_decode.config import SpeculativeConfig
@@ -107,6 +116,9 @@ _LAZY = {
                     "tokenmill.scheduler.output"),
     **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext", "TargetHiddenStates"],
                     "tokenmill.spec_decode.proposer"),
+    **dict.fromkeys(["KVConnectorContext", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
+                     "KVTransferConfig", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
+    "Request": "tokenmill.request",
 }
 
 
@@ -195,6 +207,15 @@ __all__ = [
     "ProposerContext",
     "SpeculativeConfig",
     "TargetHiddenStates",
+    # KV connectors (disaggregated prefill/decode, KV offload): the two halves' contract, what they
+    # are built with and report, and the request as the scheduler half sees it (read-only)
+    "KVConnectorContext",
+    "KVConnectorOutput",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "KVTransferConfig",
+    "Request",
+    "ScheduledKVRequest",
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",

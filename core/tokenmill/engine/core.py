@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -15,6 +16,8 @@ from tokenmill.executor import Executor, create_executor
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_transfer.connector import KVConnectorContext, KVConnectorScheduler
+from tokenmill.kv_transfer.registry import build_scheduler_connector, connector_spec
 from tokenmill.lora.adapter import LoRAAdapterLoader
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
@@ -34,6 +37,9 @@ from tokenmill.worker.spec import WorkerSpec, loaded_plugin_names
 # With nothing runnable but requests whose grammar compiles, step() waits this
 # long for one to finish instead of spinning on empty steps.
 _GRAMMAR_WAIT_S = 0.05
+# With nothing runnable but requests whose KV is being loaded, a step that learnt of no finished
+# load sleeps this long before the next, instead of spinning on empty steps.
+_KV_LOAD_WAIT_S = 0.002
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,8 @@ class EngineCore:
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.text_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)
+        if config.kv_transfer_config is not None:  # an unknown connector fails the start, before any worker
+            connector_spec(self.plugins, config.kv_transfer_config.kv_connector)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(self.checkpoint.hf_config,
                                     resolve_model_class(self.checkpoint, self.plugins, self.platform),
@@ -87,9 +95,18 @@ class EngineCore:
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             **_draft_backoff_options(config.speculative_config),
-        ), self.kv_manager, self.structured_output, self.lora)
+        ), self.kv_manager, self.structured_output, self.lora,
+            self._kv_connector())
         self._building_thread = threading.get_ident()
         self._warned_thread = False
+
+    def _kv_connector(self) -> KVConnectorScheduler | None:
+        """The scheduler half of the ``kv_transfer_config`` connector, if one is configured."""
+        if self.config.kv_transfer_config is None:
+            return None
+        context = KVConnectorContext(self.config.kv_transfer_config, self.config, self.config.block_size,
+                                     dtype=self.dtype)
+        return build_scheduler_connector(self.plugins, context)
 
     def _lora_manager(self) -> LoRAManager | None:
         """Where LoRA is enabled: adapters are checked against the layers rank 0's model wraps."""
@@ -147,6 +164,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests' blocks the KV connector still keeps: an idle engine steps now and
+        then (``AsyncLLM``) so that they are freed once sent or their lease ends."""
+        return self.scheduler.has_kept_blocks
+
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` (a core request) is waiting or running."""
         return request_id in self.scheduler.requests
@@ -169,6 +191,9 @@ class EngineCore:
         forward.result()
         runner_output = self.executor.sample_tokens(grammar)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        kv_news = runner_output.kv_connector_output
+        if scheduler_output.is_empty and self.scheduler.waiting_for_remote_kvs and (kv_news is None or kv_news.is_empty):
+            time.sleep(_KV_LOAD_WAIT_S)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), scheduler_output.total_num_scheduled_tokens)
 
     def _warn_other_thread(self) -> None:

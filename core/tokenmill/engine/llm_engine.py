@@ -162,6 +162,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished > 0
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks of finished requests the KV connector keeps (``EngineCore.has_pending_kv_transfers``)."""
+        return self.core.has_pending_kv_transfers()
+
     def step(self) -> list[RequestOutput]:
         timed_out = self._expire_deadlines()
         step_start = time.monotonic()

@@ -294,6 +294,8 @@ class AsyncLLM:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
+                elif self.engine.has_pending_kv_transfers():  # idle: a step frees what was sent or outlived its lease
+                    self._dispatch(self.engine.step())
         except BaseException as exc:
             logger.exception("engine loop died")
             self._die(exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,15 +36,25 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.backend: AttentionBackend | None = None
         self.kv_cache: KVCache | None = None
+        # A KV connector's worker side (``KVConnectorWorker``) and this layer's index in the
+        # model's attention layers, where the engine has one: it may load and save per layer.
+        self.kv_connector: Any = None
+        self.kv_connector_index = 0
 
     def bind(self, backend: AttentionBackend, kv_cache: KVCache) -> None:
         self.backend = backend
         self.kv_cache = kv_cache
 
+    def bind_kv_connector(self, connector: Any, index: int) -> None:
+        self.kv_connector = connector
+        self.kv_connector_index = index
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("Attention layer used before the model runner bound its KV cache")
         tokens = q.shape[0]
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_layer_load(self.kv_connector_index)
         out = self.backend.forward(
             self,
             q.view(tokens, self.num_heads, self.head_size),
@@ -51,4 +63,6 @@ class Attention(nn.Module):
             self.kv_cache,
             metadata,
         )
+        if self.kv_connector is not None:
+            self.kv_connector.save_kv_layer(self.kv_connector_index, self.kv_cache, metadata)
         return out.reshape(tokens, self.num_heads * self.head_size)

@@ -49,6 +49,10 @@ class SchedulerSnapshot:
     lora_adapters_in_host: int = 0
     lora_requests: tuple[tuple[str, int], ...] = ()
     lora_load_seconds: tuple[float, ...] = ()  # since start
+    # KV connector: requests whose prompt KV is being loaded; prompt tokens loaded through it (since
+    # start), which a prefix-cache lookup on the device missed: external prefix-cache hits
+    num_waiting_for_remote_kvs: int = 0
+    prefix_cache_external_hits: int = 0
 
 
 @dataclass

@@ -130,10 +130,9 @@ class SpecDecodeSpec:
 
 @dataclass(frozen=True)
 class KVConnectorSpec:
-    """A KV connector: one half runs in the scheduler, one in each worker.
-
-    Experimental: the answer of a reserved hook this version never calls.
-    """
+    """A KV connector (``tokenmill_register_kv_connectors``): its name in ``kv_transfer_config``,
+    and the ``"module:Class"`` of its two halves: one runs next to the scheduler
+    (:class:`KVConnectorScheduler`), one in each worker (:class:`KVConnectorWorker`)."""
 
     name: str
     scheduler_qualname: str

@@ -11,6 +11,7 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.kv_transfer.connector import KVConnectorOutput
     from tokenmill.metrics.stats import SchedulerSnapshot
 
 
@@ -82,6 +83,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # LoRA adapters (``LoRAAdapter``) to copy into device slots before this step runs, by slot.
     lora_loads: dict[int, Any] = field(default_factory=dict)
+    # KV connector: what its worker side loads and saves this step (its scheduler side built it).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -106,6 +109,8 @@ class ModelRunnerOutput:
     # Multimodal: this step's encoder-cache look-ups (one per item a step's tokens overlapped) and hits.
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
+    # KV connector: the loads and sends its worker side finished (or failed) since the last step.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

@@ -16,6 +16,11 @@ matchers advance with the tokens sampled.
 A request with a LoRA adapter waits likewise in ``WAITING_FOR_LORA`` while its adapter
 loads on a thread or every device slot holds another adapter that requests use; it joins
 the waiting queue with a slot reserved, which it keeps until it finishes.
+
+With a KV connector (``kv_transfer_config``), a waiting request whose prompt KV can be loaded
+from outside gets blocks for it and waits in ``WAITING_FOR_REMOTE_KVS``, outside the waiting
+queue, while the workers load it; it then joins the queue with those tokens computed, or, if
+the load failed, to compute them itself (``tokenmill.kv_transfer.connector`` has the contract).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
+from tokenmill.kv_cache.hashing import update_block_hashes
+from tokenmill.kv_transfer.connector import KVConnectorOutput, ScheduledKVRequest
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.draft_backoff import DraftBackoff
@@ -41,6 +48,7 @@ from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
 from tokenmill.scheduler.spec_tokens import SpecDecodeCounters, num_rejected, usable_drafts
 
 if TYPE_CHECKING:
+    from tokenmill.kv_transfer.connector import KVConnectorScheduler
     from tokenmill.lora.manager import LoRAManager
     from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -78,7 +86,8 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 structured_output: StructuredOutputManager | None = None, lora: LoRAManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None, lora: LoRAManager | None = None,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_manager
         self.structured_output = structured_output
@@ -100,10 +109,17 @@ class Scheduler:
         self.spec_decode = SpecDecodeCounters()
         self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
                                           config.spec_backoff_tokens)
+        self.kv_connector = kv_connector
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        self._kv_loading: dict[str, int] = {}  # request -> its computed tokens once its load completes
+        self._kv_loaded: set[str] = set()  # waiting with loaded KV in the blocks they hold
+        self._kv_failed: set[str] = set()  # a load failed: compute the prompt, ask the connector no more
+        self._kept_blocks: dict[str, Request] = {}  # finished, blocks kept for the connector to send
+        self.num_external_hit_tokens = 0  # prompt tokens loaded through the connector, since start
 
     # -- admission and removal ------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._kept_blocks:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         params = request.sampling_params.structured_outputs
         if params is not None:
@@ -137,8 +153,12 @@ class Scheduler:
                 raise InvalidStateTransition(f"request {req_id} is not running or waiting")
             waiting_for_grammar = request.status == RequestStatus.WAITING_FOR_GRAMMAR
             waiting_for_lora = request.status == RequestStatus.WAITING_FOR_LORA
+            waiting_for_kv = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.transition(status)
-            if waiting_for_lora:
+            if waiting_for_kv:
+                del self.waiting_for_remote_kvs[req_id]
+                del self._kv_loading[req_id]
+            elif waiting_for_lora:
                 del self.waiting_for_lora[req_id]
             elif waiting_for_grammar:
                 del self.waiting_for_grammar[req_id]
@@ -153,7 +173,13 @@ class Scheduler:
         return finished
 
     def _release(self, request: Request) -> None:
-        self.kv.free(request)
+        req_id = request.request_id
+        self._kv_loaded.discard(req_id)
+        self._kv_failed.discard(req_id)
+        if self.kv_connector is not None and self.kv_connector.request_finished(request, self.kv.get_block_ids(req_id)):
+            self._kept_blocks[req_id] = request  # freed once the connector reports it sent
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         self._constrained.pop(request.request_id, None)
         self.draft_backoff.forget(request.request_id)
@@ -166,6 +192,12 @@ class Scheduler:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def has_kept_blocks(self) -> bool:
+        """Finished requests whose blocks the KV connector keeps (until sent, or a lease ends):
+        steps must go on, idle or not, for its worker half to report them."""
+        return bool(self._kept_blocks)
 
     # -- scheduling -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -187,6 +219,9 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.drafts,
             lora_loads=self.lora.slots.take_loads() if self.lora is not None else {},
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(
+                self._scheduled_kv_requests(plan), set(self._finished_ids), set(self._preempted_ids))
         self._finished_ids, self._preempted_ids = set(), set()
         return output
 
@@ -299,15 +334,84 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            loaded = request.request_id in self._kv_loaded  # holds its blocks, loaded KV counted as computed
+            if loaded:
+                computed_blocks, num_computed = KVCacheBlocks.empty(), request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+                if self._start_kv_load(request, computed_blocks, num_computed):
+                    continue
             num_new = request.num_tokens - num_computed
             if num_new > plan.budget and (not self.config.enable_chunked_prefill or self.config.non_causal_prefill):
                 break
             num_new = min(num_new, plan.budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
+            if self.kv.allocate_slots(request, num_new, computed_blocks, 0 if loaded else num_computed) is None:
                 break
+            self._kv_loaded.discard(request.request_id)
             self.waiting.pop()
             self._admit(request, num_computed, num_new, plan)
+
+    # -- KV connector ---------------------------------------------------------
+    def _start_kv_load(self, request: Request, computed_blocks: KVCacheBlocks, num_computed: int) -> bool:
+        """Park ``request`` in ``WAITING_FOR_REMOTE_KVS`` with blocks for the prompt tokens the
+        connector can load beyond the local hit ``num_computed``; False (nothing done) if none."""
+        connector = self.kv_connector
+        if (connector is None or request.status != RequestStatus.WAITING or request.needs_every_position
+                or request.request_id in self._kv_failed):
+            return False
+        update_block_hashes(request, self.kv.block_size)
+        num_external = connector.get_num_new_matched_tokens(request, num_computed)
+        most = (request.num_tokens - 1) // self.kv.block_size * self.kv.block_size - num_computed
+        if num_external <= 0 or num_external % self.kv.block_size or num_external > most:
+            if num_external:
+                logger.warning("KV connector offered %d tokens of request %s (at most %d, whole blocks): ignored",
+                               num_external, request.request_id, most)
+            return False
+        if self.kv.allocate_slots(request, num_external, computed_blocks, num_computed) is None:
+            return False
+        request.num_computed_tokens = num_computed
+        self.waiting.pop()
+        request.transition(RequestStatus.WAITING_FOR_REMOTE_KVS)
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self._kv_loading[request.request_id] = num_computed + num_external
+        connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _scheduled_kv_requests(self, plan: _StepPlan) -> list[ScheduledKVRequest]:
+        """The step's requests for ``build_connector_meta``, their block hashes brought up to date."""
+        scheduled = []
+        for req_id, num_tokens in plan.tokens.items():
+            request = self.requests[req_id]
+            update_block_hashes(request, self.kv.block_size)
+            num_new = num_tokens - len(plan.drafts.get(req_id, ()))  # a draft's KV may be rejected
+            scheduled.append(ScheduledKVRequest(request, self.kv.get_block_ids(request.request_id), request.num_computed_tokens,
+                                                num_new))
+        return scheduled
+
+    def _apply_kv_connector_output(self, output: KVConnectorOutput) -> None:
+        """Loads that completed join the waiting queue with their KV computed; failed ones
+        give their blocks back and compute the prompt; sent requests' kept blocks are freed."""
+        for req_id in sorted(output.finished_recving | output.failed_recving):
+            request = self.waiting_for_remote_kvs.pop(req_id, None)
+            if request is None:  # aborted meanwhile
+                continue
+            num_loaded = self._kv_loading.pop(req_id)
+            if req_id in output.failed_recving:
+                logger.warning("request %s: its KV could not be loaded; computing its prompt", req_id)
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                self._kv_failed.add(req_id)
+            else:
+                self.num_external_hit_tokens += num_loaded - request.num_computed_tokens
+                request.num_computed_tokens = num_loaded
+                self.kv.cache_blocks(request, num_loaded)
+                self._kv_loaded.add(req_id)
+            request.transition(RequestStatus.WAITING)
+            self.waiting.add_front(request)
+        for req_id in sorted(output.finished_sending):
+            kept = self._kept_blocks.pop(req_id, None)
+            if kept is not None:
+                self.kv.free(kept)
 
     def _admit(self, request: Request, num_computed: int, num_new: int, plan: _StepPlan) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
@@ -335,6 +439,8 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         self.encoder_cache_queries += runner_output.encoder_cache_queries
         self.encoder_cache_hits += runner_output.encoder_cache_hits
+        if runner_output.kv_connector_output is not None:
+            self._apply_kv_connector_output(runner_output.kv_connector_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:  # finished from outside meanwhile
@@ -439,6 +545,8 @@ class Scheduler:
             num_waiting_for_lora=len(self.waiting_for_lora),
             encoder_cache_queries=self.encoder_cache_queries,
             encoder_cache_hits=self.encoder_cache_hits,
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
+            prefix_cache_external_hits=self.num_external_hit_tokens,
             **lora,
         )
 

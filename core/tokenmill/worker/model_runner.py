@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import AttentionBackend, KVCache
+from tokenmill.kv_transfer.connector import KVConnectorOutput, KVConnectorWorker
 from tokenmill.layers.attention import Attention
 from tokenmill.lora.model_slots import LoRAModelSlots
 from tokenmill.platform import DeviceKVAllocator, KVCacheAllocator
@@ -80,6 +81,8 @@ class ModelRunner:
         self.spec_decode: SpecDecodeRunner | None = None  # set where speculative decoding is on
         self.multimodal = (MultiModalEmbedder(cast(Any, model), mm_encoder_cache_size)
                            if is_multimodal(model) else None)
+        self.kv_connector: KVConnectorWorker | None = None  # set by bind_kv_connector, with kv_transfer_config
+        self._kv_connector_output: KVConnectorOutput | None = None  # from execute_model, for sample_tokens
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[KVCache] = []
         graph_batch = min(max_graph_batch_size, max_num_seqs)
@@ -106,10 +109,21 @@ class ModelRunner:
             cache = (allocate(shape, self.dtype), allocate(shape, self.dtype))
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         if prefault_blocks:
             tensors = [t for cache in self.kv_caches for t in cache]
             populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
+
+    def bind_kv_connector(self, connector: KVConnectorWorker) -> None:
+        """A KV connector's worker side: it loads before each forward, and each attention layer
+        waits for its loads and offers its saves through it."""
+        self.kv_connector = connector
+        for index, layer in enumerate(self.attention_layers):
+            layer.bind_kv_connector(connector, index)
+        if self.kv_caches:
+            connector.register_kv_caches(self.kv_caches)
 
     def free_kv_cache(self) -> None:
         """Drop this runner's references to the KV cache (the layers' bindings go with the next allocation)."""
@@ -125,7 +139,11 @@ class ModelRunner:
         if self.spec_decode is not None:
             self.spec_decode.place_drafts(self.batch, scheduler_output.scheduled_spec_decode_tokens)
         self._forward_result = None
+        if self.kv_connector is not None:  # loads start even in a step that runs no forward
+            self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            self.kv_connector.start_load_kv()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            self._finish_kv_transfers(scheduler_output)
             return
         inputs = build_step_inputs(self.batch, scheduler_output.num_scheduled_tokens, self.device)
         inputs.metadata.backend_data = self.backend.prepare(inputs.metadata)
@@ -134,6 +152,13 @@ class ModelRunner:
             self.lora.set_step([self.batch.states[row].lora_slot for row in inputs.rows], inputs.num_scheduled)
         hidden, token_logits = self._forward(inputs)
         self._forward_result = _Forward(inputs, hidden, token_logits)
+        self._finish_kv_transfers(scheduler_output)
+
+    def _finish_kv_transfers(self, scheduler_output: SchedulerOutput) -> None:
+        """After the forward: the connector's saves are written, its finished transfers collected."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
+            self._kv_connector_output = self.kv_connector.get_finished(scheduler_output.finished_req_ids)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
@@ -141,6 +166,7 @@ class ModelRunner:
         A rank that does not sample returns an empty one."""
         forward, self._forward_result = self._forward_result, None
         output = ModelRunnerOutput()
+        output.kv_connector_output, self._kv_connector_output = self._kv_connector_output, None
         if forward is None:
             return output
         if not self.samples:

@@ -17,6 +17,8 @@ from torch import nn
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.kv_transfer.connector import KVConnectorContext
+from tokenmill.kv_transfer.registry import build_worker_connector
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
@@ -116,6 +118,8 @@ class Worker:
         return str(self.runner.backend.name)
 
     def shutdown(self) -> None:
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()
         self.runner.free_kv_cache()
 
 
@@ -159,6 +163,10 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
+    if config.kv_transfer_config is not None:
+        context = KVConnectorContext(config.kv_transfer_config, config, config.block_size, rank=comm.rank,
+                                     device=device, dtype=dtype)
+        runner.bind_kv_connector(build_worker_connector(plugins, context))
     return runner
 
 
@@ -179,6 +187,7 @@ def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Comm
     pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one. Not
     with LoRA: its per-token slot mask changes with the batch's adapters."""
     if (config.enforce_eager or config.enable_lora or comm.world_size > 1 or stage.size > 1
+            or config.kv_transfer_config is not None  # a step graph would skip the connector's per-layer calls
             or not getattr(backend, "supports_step_graphs", False)):
         return None
     return platform_step_graph_capture(platform)

@@ -1,0 +1,31 @@
+"""The ``kv_zmq`` KV connector: prompt KV pulled from a producer engine over ZeroMQ.
+
+``kv_transfer_config={"kv_connector": "kv_zmq", "kv_role": ..., "kv_connector_extra_config":
+{...}}`` with, for a producer, ``"bind": "tcp://HOST:PORT"`` (where it serves) and, for a
+consumer, ``"peers": ["tcp://HOST:PORT", ...]`` (the producers it asks). Options:
+``"lease_s"`` (default 30: how long a producer keeps a finished prompt's blocks for a consumer
+that has not fetched them) and ``"fetch_timeout_s"`` (default 5: how long a consumer waits for a
+complete, checked answer before computing the prompt itself).
+
+A producer keeps the blocks of each prompt it finishes and offers them under their prefix-cache
+hashes; a consumer asks its peers for the hashes of a prompt's prefix, and the one that holds
+them all sends them, layer by layer, straight from its paged cache. Every block carries a
+checksum; a short or corrupt payload, a refusal, a dead or silent peer all end in the same
+place: the consumer computes the prompt. A producer frees a prompt's blocks once it has sent
+them, or when its lease ends.
+"""
+
+from __future__ import annotations
+
+from tokenmill.plugin_api import KVConnectorSpec, hookimpl
+
+TOKENMILL_PLUGIN_API = 1
+
+
+@hookimpl
+def tokenmill_register_kv_connectors() -> list[KVConnectorSpec]:
+    return [KVConnectorSpec(
+        name="kv_zmq",
+        scheduler_qualname="tokenmill_kv_zmq.scheduler:ZmqScheduler",
+        worker_qualname="tokenmill_kv_zmq.worker:ZmqWorker",
+    )]

@@ -1,0 +1,68 @@
+"""A producer's server thread: answers fetches from the offered blocks, straight from the cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import zmq
+
+from tokenmill_kv_zmq.offers import OfferBook
+from tokenmill_kv_zmq.wire import FETCH, MISSING, KVCaches, kv_reply
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50  # how often the thread looks at its stop flag
+_SEND_TIMEOUT_S = 10.0  # a consumer that stops reading mid-answer gives its blocks back after this
+
+
+class KVServer(threading.Thread):
+    def __init__(self, context: zmq.Context, endpoint: str, offers: OfferBook, kv_caches: KVCaches) -> None:
+        super().__init__(name="kv-zmq-server", daemon=True)
+        self.offers = offers
+        self.kv_caches = kv_caches
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self._stop_event = threading.Event()
+        self.num_served = 0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                if self._socket.poll(_POLL_MS):
+                    self._answer(self._socket.recv_multipart())
+        finally:
+            self._socket.close(linger=0)
+
+    def _answer(self, parts: list[bytes]) -> None:
+        identity, *message = parts
+        try:
+            kind, body = message
+            hashes = list(json.loads(body)["hashes"]) if kind == FETCH else None
+        except (ValueError, KeyError, TypeError):
+            hashes = None
+        if not hashes:
+            self._socket.send_multipart([identity, MISSING, b"{}"])
+            return
+        found = self.offers.begin_fetch(hashes)
+        if found is None:
+            self._socket.send_multipart([identity, MISSING, b"{}"])
+            return
+        req_id, block_ids = found
+        sent = False
+        try:
+            reply = kv_reply(self.kv_caches, hashes, block_ids)
+            tracker = self._socket.send_multipart([identity, *reply], copy=False, track=True)
+            tracker.wait(_SEND_TIMEOUT_S)  # zero-copy: the cache must not change until zmq is done with it
+            sent = True
+            self.num_served += 1
+        except (zmq.ZMQError, zmq.NotDone) as exc:
+            logger.warning("kv_zmq: sending the KV of %s failed: %s", req_id, exc)
+        finally:
+            self.offers.end_fetch(req_id, sent)

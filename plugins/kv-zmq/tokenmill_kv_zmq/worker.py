@@ -1,0 +1,113 @@
+"""The worker half: a producer serves its offered blocks from a thread; a consumer fetches on a
+thread pool and copies what arrived, checked, into its blocks between forwards."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from tokenmill.plugin_api import AttentionMetadata, KVCache, KVConnectorContext, KVConnectorOutput
+from tokenmill_kv_zmq.fetch import FetchFailed, fetch_blocks
+from tokenmill_kv_zmq.offers import OfferBook
+from tokenmill_kv_zmq.options import BlockRef, ZmqMetadata, ZmqOptions
+from tokenmill_kv_zmq.server import KVServer
+from tokenmill_kv_zmq.wire import scatter
+
+logger = logging.getLogger(__name__)
+
+_FETCH_THREADS = 4
+
+
+class _Fetch:
+    def __init__(self, blocks: list[BlockRef], future: Future[list[list[bytes]]], cancelled: threading.Event) -> None:
+        self.blocks = blocks
+        self.future = future
+        self.cancelled = cancelled
+
+
+class ZmqWorker:
+    def __init__(self, context: KVConnectorContext) -> None:
+        self.config = context.transfer_config
+        self.options = ZmqOptions.parse(self.config.kv_connector_extra_config)
+        self.kv_caches: list[KVCache] = []
+        self._zmq = zmq.Context()
+        self._metadata = ZmqMetadata()
+        self.offers = OfferBook(self.options.lease_s)
+        self._server: KVServer | None = None
+        self._pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-zmq-fetch")
+        self._fetches: dict[str, _Fetch] = {}
+        self._output = KVConnectorOutput()
+        # Counters, for a test or a benchmark to read.
+        self.num_fetched = self.num_failed_fetches = 0
+        self.bytes_fetched = 0
+
+    def register_kv_caches(self, kv_caches: list[KVCache]) -> None:
+        self.kv_caches = kv_caches
+        if self.config.is_producer and self._server is None:
+            assert self.options.bind is not None
+            self._server = KVServer(self._zmq, self.options.bind, self.offers, kv_caches)
+            self._server.start()
+
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Before this step writes anything: drop what ended, start what the scheduler asks."""
+        meta: ZmqMetadata = metadata if metadata is not None else ZmqMetadata()
+        self._metadata = meta
+        for req_id in meta.kept:
+            self.offers.keep(req_id)
+        for req_id in meta.cancelled:
+            self.offers.cancel(req_id)
+            fetch = self._fetches.pop(req_id, None)
+            if fetch is not None:  # its blocks may be another request's in this very step
+                fetch.cancelled.set()
+                fetch.future.cancel()
+
+    def start_load_kv(self) -> None:
+        for req_id, blocks in self._metadata.loads.items():
+            cancelled = threading.Event()
+            future = self._pool.submit(fetch_blocks, self._zmq, self.options.peers, [h for _, h in blocks],
+                                       self.kv_caches, self.options.fetch_timeout_s, cancelled)
+            self._fetches[req_id] = _Fetch(blocks, future, cancelled)
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """A request runs only once its whole prefix arrived: nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_index: int, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+        """Blocks are served from the cache itself, when asked: nothing to copy per layer."""
+
+    def wait_for_save(self) -> None:
+        """The forward wrote this step's prompt blocks: offer them."""
+        for req_id, refs in self._metadata.computed.items():
+            self.offers.add(req_id, refs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        for req_id in [r for r, f in self._fetches.items() if f.future.done()]:
+            self._finish_fetch(req_id, self._fetches.pop(req_id))
+        self._output.finished_sending |= self.offers.take_sent()
+        output, self._output = self._output, KVConnectorOutput()
+        return output
+
+    def _finish_fetch(self, req_id: str, fetch: _Fetch) -> None:
+        try:
+            frames = fetch.future.result()
+        except FetchFailed as exc:
+            logger.warning("kv_zmq: request %s: no KV from the producers (%s); computing its prompt", req_id, exc)
+            self.num_failed_fetches += 1
+            self._output.failed_recving.add(req_id)
+            return
+        for (block_id, _hash), block in zip(fetch.blocks, frames, strict=True):
+            scatter(block, self.kv_caches, block_id)
+            self.bytes_fetched += sum(len(f) for f in block)
+        self.num_fetched += 1
+        self._output.finished_recving.add(req_id)
+
+    def shutdown(self) -> None:
+        for fetch in self._fetches.values():
+            fetch.cancelled.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.stop()
+        self._zmq.term()

@@ -1,0 +1,213 @@
+"""The ``kv_zmq`` KV connector end to end, over real ZeroMQ sockets on 127.0.0.1: a consumer
+engine fetches a producer engine's prompt KV and its greedy output is transformers'; a dead or
+silent producer, a corrupt or truncated payload, or a consumer that goes away never hang or
+poison anything: the consumer computes the prompt, the producer frees its blocks after a lease."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from test_kv_shared_storage import ScheduledTokens
+from tiny_models import hf_greedy
+from worker_probe import on_rank_zero
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.request import RequestStatus
+
+BLOCK = 16
+LENGTHS = (20, 37, 50, 70)
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _free_endpoint() -> str:
+    with zmq.Context.instance().socket(zmq.ROUTER) as probe:
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in LENGTHS]
+
+
+def _loadable(n: int) -> int:
+    return (n - 1) // BLOCK * BLOCK
+
+
+def _engine(model: Path, role: str, counter: ScheduledTokens | None = None, **extra) -> LLM:
+    transfer = {"kv_connector": "kv_zmq", "kv_role": role, "kv_connector_extra_config": extra}
+    return LLM(str(model), dtype="float32", max_model_len=128, block_size=BLOCK, kv_cache_memory="8MiB",
+               kv_transfer_config=transfer, stat_loggers=[counter] if counter else [])
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _prefill(producer: LLM, prompts: list[list[int]]) -> None:
+    """What the router sends a prefill server: one token per prompt."""
+    _generate(producer, prompts, SamplingParams(temperature=0.0, max_tokens=1))
+
+
+def _free_blocks(llm: LLM) -> tuple[int, int]:
+    kv = llm.engine.core.kv_manager
+    return kv.num_free_blocks, kv.num_blocks
+
+
+def _worker_counter(llm: LLM, name: str) -> int:
+    return on_rank_zero(llm, lambda worker: getattr(worker.runner.kv_connector, name))
+
+
+@pytest.fixture(scope="module")
+def expected(llama_path) -> list[list[int]]:
+    return [tokens for tokens, _ in hf_greedy(llama_path, _prompts(), MAX_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def producer(llama_path):
+    endpoint = _free_endpoint()
+    llm = _engine(llama_path, "kv_producer", bind=endpoint, lease_s=60)
+    llm.endpoint = endpoint
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_the_consumer_fetches_the_producers_prompt_kv_and_the_producer_then_frees_it(llama_path, producer, expected):
+    prompts = _prompts()
+    _prefill(producer, prompts)
+    free, total = _free_blocks(producer)
+    assert free == total - sum(-(-n // BLOCK) for n in LENGTHS)  # every prompt's blocks kept, for a consumer
+    counter = ScheduledTokens()
+    consumer = _engine(llama_path, "kv_consumer", counter, peers=[producer.endpoint], fetch_timeout_s=10)
+    assert _generate(consumer, prompts) == expected
+    stats = consumer.engine.scheduler_stats
+    assert stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
+    assert counter.total == sum(n - _loadable(n) for n in LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+    assert _worker_counter(consumer, "num_fetched") == len(LENGTHS)
+    producer.engine.step()  # an idle step (a server's engine loop takes them) reports what was sent
+    assert _free_blocks(producer) == (total, total)
+    consumer.engine.shutdown()
+
+
+def test_a_producer_frees_blocks_nobody_fetches_when_their_lease_ends(llama_path):
+    endpoint = _free_endpoint()
+    llm = _engine(llama_path, "kv_producer", bind=endpoint, lease_s=0.5)
+    _prefill(llm, _prompts(1))
+    free, total = _free_blocks(llm)
+    assert free < total
+    llm.engine.step()
+    assert _free_blocks(llm)[0] == free  # the lease runs
+    time.sleep(0.6)
+    llm.engine.step()
+    assert _free_blocks(llm) == (total, total)
+    llm.engine.shutdown()
+
+
+def test_a_dead_or_silent_producer_costs_a_recompute_not_a_hang(llama_path, expected):
+    nobody = _free_endpoint()  # nothing listens there
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes the fetch, never answers
+    silent_endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        counter = ScheduledTokens()
+        consumer = _engine(llama_path, "kv_consumer", counter, peers=[nobody, silent_endpoint], fetch_timeout_s=0.5)
+        assert _generate(consumer, _prompts()) == expected
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == 0
+        assert counter.total == sum(LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)  # every prompt computed here
+        assert _worker_counter(consumer, "num_failed_fetches") == len(LENGTHS)
+        assert silent.poll(0)  # the fetches did reach it
+        consumer.engine.shutdown()
+    finally:
+        silent.close(linger=0)
+
+
+class DamagingProxy(threading.Thread):
+    """Forwards fetches to a real producer and damages its answers on the way back."""
+
+    def __init__(self, upstream: str, damage) -> None:
+        super().__init__(daemon=True)
+        context = zmq.Context.instance()
+        self.front = context.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.upstream = upstream
+        self.damage = damage
+        self.num_damaged = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        back = zmq.Context.instance().socket(zmq.DEALER)
+        back.connect(self.upstream)
+        while not self._stop_event.is_set():
+            if not self.front.poll(50):
+                continue
+            identity, *message = self.front.recv_multipart()
+            back.send_multipart(message)
+            reply = back.recv_multipart()
+            if reply[0] == b"KV":
+                reply = self.damage(reply)
+                self.num_damaged += 1
+            self.front.send_multipart([identity, *reply])
+        back.close(linger=0)
+        self.front.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+def _flip_a_bit(reply: list[bytes]) -> list[bytes]:
+    frame = bytearray(reply[-1])
+    frame[len(frame) // 2] ^= 0x04
+    return [*reply[:-1], bytes(frame)]
+
+
+def _truncate(reply: list[bytes]) -> list[bytes]:
+    return [*reply[:-1], reply[-1][:-8]]
+
+
+def _drop_a_frame(reply: list[bytes]) -> list[bytes]:
+    return reply[:-1]
+
+
+@pytest.mark.parametrize("damage", [_flip_a_bit, _truncate, _drop_a_frame])
+def test_a_damaged_payload_is_refused_and_the_prompt_recomputed(llama_path, producer, expected, damage):
+    prompts = _prompts()
+    _prefill(producer, prompts)
+    proxy = DamagingProxy(producer.endpoint, damage)
+    proxy.start()
+    try:
+        counter = ScheduledTokens()
+        consumer = _engine(llama_path, "kv_consumer", counter, peers=[proxy.endpoint], fetch_timeout_s=10)
+        assert _generate(consumer, prompts) == expected
+        assert proxy.num_damaged == len(LENGTHS)
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == 0
+        assert counter.total == sum(LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+        consumer.engine.shutdown()
+    finally:
+        proxy.stop()
+
+
+def test_a_request_aborted_while_fetching_gives_its_blocks_back_at_once(llama_path):
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        consumer = _engine(llama_path, "kv_consumer", peers=[endpoint], fetch_timeout_s=600)
+        engine = consumer.engine
+        engine.add_request("r", {"prompt_token_ids": _prompts()[3]}, GREEDY)
+        engine.step()
+        engine.step()
+        assert engine.core.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        engine.abort_request("r")
+        engine.step()  # tells the worker: the fetch is cancelled, its blocks written no more
+        assert _free_blocks(consumer)[0] == _free_blocks(consumer)[1]
+        assert not engine.has_unfinished_requests()
+        started = time.monotonic()
+        engine.shutdown()  # the cancelled fetch does not hold the shutdown for its 600 s
+        assert time.monotonic() - started < 60
+    finally:
+        silent.close(linger=0)
