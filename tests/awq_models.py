@@ -57,7 +57,9 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group
     return ((q - zeros[g]).float() * scales[g].float()).t().contiguous()
 
 
-def build_awq_pair(float_folder: Path, quantized: Path, dequantized: Path, group_size: int) -> None:
+def build_awq_pair(float_folder: Path, quantized: Path, dequantized: Path, group_size: int,
+                   linear: tuple[str, ...] = LINEAR) -> None:
+    """``linear``: the layers quantized (a Mixtral's experts too with ``LINEAR + EXPERTS``)."""
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -67,7 +69,7 @@ def build_awq_pair(float_folder: Path, quantized: Path, dequantized: Path, group
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in LINEAR:
+        if leaf == "weight" and prefix.rpartition(".")[2] in linear:
             q, zeros, scales = quantize(tensor, group_size)
             packed.update({f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros),
                            f"{prefix}.scales": scales})

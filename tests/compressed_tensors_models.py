@@ -61,7 +61,9 @@ def compress_weight(weight: torch.Tensor, scheme: Any, fmt: str) -> tuple[dict[s
     return dict(compressed), restored.float()
 
 
-def build_compressed_pair(float_folder: Path, quantized: Path, dequantized: Path, scheme: Any, fmt: str) -> None:
+def build_compressed_pair(float_folder: Path, quantized: Path, dequantized: Path, scheme: Any, fmt: str,
+                          linear: tuple[str, ...] = LINEAR) -> None:
+    """``linear``: the layers compressed (a Mixtral's experts too with ``LINEAR + EXPERTS``)."""
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -71,7 +73,7 @@ def build_compressed_pair(float_folder: Path, quantized: Path, dequantized: Path
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in LINEAR:
+        if leaf == "weight" and prefix.rpartition(".")[2] in linear:
             compressed, restored = compress_weight(tensor, scheme, fmt)
             packed.update({f"{prefix}.{key}": value for key, value in compressed.items()})
             reference[name] = restored

@@ -107,8 +107,9 @@ def static_input_rounding(quantized: Path) -> Callable[[torch.nn.Module], None]:
 
 
 def build_fp8_pair(float_folder: Path, quantized: Path, dequantized: Path, scheme: str, block: int = 32,
-                   calibration: Iterable[list[int]] = ()) -> None:
-    """Write ``float_folder``'s model as an FP8 checkpoint of ``scheme`` and as its dequantised twin."""
+                   calibration: Iterable[list[int]] = (), linear: tuple[str, ...] = LINEAR) -> None:
+    """Write ``float_folder``'s model as an FP8 checkpoint of ``scheme`` and as its dequantised
+    twin; ``linear``: the layers quantized (a Mixtral's experts too with ``LINEAR + ("w1", "w2", "w3")``)."""
     from safetensors.torch import load_file, save_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -119,7 +120,7 @@ def build_fp8_pair(float_folder: Path, quantized: Path, dequantized: Path, schem
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in LINEAR:
+        if leaf == "weight" and prefix.rpartition(".")[2] in linear:
             q, scale_name, scale, full = quantize(tensor, scheme, block)
             fp8[name], fp8[f"{prefix}.{scale_name}"] = q, scale
             if scheme == "static":

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERTS = ("w1", "w2", "w3")  # Mixtral's experts.N.<name> (the others' experts use LINEAR's names)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def act_order(projection: str, inputs: int, seed: int) -> torch.Tensor:
     """A random permutation standing in for GPTQ's order of decreasing Hessian diagonal. The
     projections of one input (q/k/v, gate/up) share its Hessian and so its order."""
     owner, _, proj = projection.rpartition(".")
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+              "w1": "gate_up", "w3": "gate_up"}
     key = f"{owner}.{shared.get(proj, proj)}"
     return torch.randperm(inputs, generator=torch.Generator().manual_seed(seed + sum(map(ord, key)) * 7919))
 
@@ -129,8 +131,11 @@ def gptq_tensors(layer: GptqLayer, recipe: GptqRecipe) -> dict[str, torch.Tensor
             "scales": layer.scales, "g_idx": layer.g_idx}
 
 
-def build_gptq_pair(float_folder: Path, quantized: Path, dequantized: Path, recipe: GptqRecipe, seed: int = 0) -> None:
-    """Write ``float_folder``'s model as a GPTQ checkpoint and as its dequantised twin."""
+def build_gptq_pair(float_folder: Path, quantized: Path, dequantized: Path, recipe: GptqRecipe, seed: int = 0,
+                    linear: tuple[str, ...] = LINEAR) -> None:
+    """Write ``float_folder``'s model as a GPTQ checkpoint and as its dequantised twin; the
+    weights quantized are those of the layers named in ``linear`` (a MoE model's experts
+    too: ``LINEAR + EXPERTS`` for Mixtral; the routers stay float, as GPTQ leaves them)."""
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
@@ -140,7 +145,7 @@ def build_gptq_pair(float_folder: Path, quantized: Path, dequantized: Path, reci
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in LINEAR:
+        if leaf == "weight" and prefix.rpartition(".")[2] in linear:
             layer = quantize(tensor, recipe, act_order(prefix, tensor.shape[1], seed) if recipe.desc_act else None)
             packed.update({f"{prefix}.{key}": value for key, value in gptq_tensors(layer, recipe).items()})
             reference[name] = layer.dequantized()

@@ -33,7 +33,9 @@ Projection = Literal["gate", "up", "down"]
 # How checkpoints name each expert's projections.
 EXPERT_NAMES: dict[str, Projection] = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate",
                                        "up_proj": "up", "down_proj": "down"}
-_PER_EXPERT = re.compile(r"^(\d+)\.(\w+)\.weight$")
+# ``3.w1.weight``; a quantized checkpoint's other leaves (``3.w1.qweight``) load into the
+# method's ``{stack}_{leaf}`` parameter (``gate_up_proj_qweight``)
+_PER_EXPERT = re.compile(r"^(\d+)\.(\w+)\.(\w+)$")
 
 
 class FusedMoEMethod(Protocol):
@@ -202,9 +204,14 @@ class FusedMoE(nn.Module):
             if not 0 <= expert < self.num_experts:
                 raise KeyError(f"checkpoint tensor '{self.prefix}.{name}': this layer has {self.num_experts} experts")
             param_name = "down_proj" if projection == "down" else "gate_up_proj"
+            if match.group(3) != "weight":
+                param_name = f"{param_name}_{match.group(3)}"
             shard = None if projection == "down" else (0 if projection == "gate" else 1)
-            param = getattr(self, param_name)
-            param.weight_loader(param, tensor, shard, expert_id=expert)
+            param = getattr(self, param_name, None)
+            if not isinstance(param, nn.Parameter) or getattr(param, "weight_loader", None) is None:
+                raise KeyError(f"checkpoint tensor '{self.prefix}.{name}' has no per-expert parameter in the "
+                               f"MoE layer (its method is {type(self.quant_method).__name__})")
+            param.weight_loader(param, tensor, shard, expert_id=expert)  # type: ignore[attr-defined]  # checked above
             return param_name
         params = dict(self.named_parameters(recurse=False))
         if name not in params:
@@ -221,7 +228,11 @@ class FusedMoE(nn.Module):
         return name
 
     def missing_checkpoint_tensors(self) -> list[str]:
-        """The per-expert checkpoint tensors not loaded yet (none once a stacked one came)."""
+        """The per-expert checkpoint tensors not loaded yet (none once a stacked one came);
+        a method with tensors of its own (a quantized checkpoint's) answers for them."""
+        method_check = getattr(self.quant_method, "missing_checkpoint_tensors", None)
+        if method_check is not None:
+            return cast(list[str], method_check(self))
         done = self.loader.loaded
         missing = []
         gate, up, down = self.expert_names

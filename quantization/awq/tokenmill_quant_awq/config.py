@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.layers import QuantizationConfig
 from tokenmill_quant_awq.method import AwqLinearMethod
+from tokenmill_quant_awq.moe import AwqFusedMoEMethod
 
 SUPPORTED_VERSIONS = ("gemm",)
 
@@ -51,3 +52,10 @@ class AwqConfig(QuantizationConfig):
         if prefix.split(".")[-1] == "lm_head" or any(name in prefix for name in self.not_converted):
             return None
         return AwqLinearMethod(self.group_size)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> AwqFusedMoEMethod | None:
+        """A MoE layer's experts AWQ-packed, per expert (:mod:`tokenmill_quant_awq.moe`),
+        unless ``modules_to_not_convert`` names the layer."""
+        if any(name in prefix for name in self.not_converted):
+            return None
+        return AwqFusedMoEMethod(self.group_size)

@@ -20,8 +20,13 @@ from compressed_tensors.quantization import QuantizationConfig as CompressedTens
 from compressed_tensors.utils import is_match
 from torch import nn
 
-from tokenmill.layers import LinearMethod, QuantizationConfig
-from tokenmill_quant_compressed_tensors.schemes import MethodFactory, method_for_scheme
+from tokenmill.layers import FusedMoEMethod, LinearMethod, QuantizationConfig
+from tokenmill_quant_compressed_tensors.schemes import (
+    MethodFactory,
+    MoEMethodFactory,
+    method_for_scheme,
+    moe_method_for_scheme,
+)
 
 # tokenmill's merged layers and the checkpoint projections each holds (matched by name suffix)
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -30,9 +35,11 @@ FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj
 class CompressedTensorsConfig(QuantizationConfig):
     name: ClassVar[str] = "compressed-tensors"
 
-    def __init__(self, groups: list[tuple[str, list[str], MethodFactory]], ignore: list[str]) -> None:
+    def __init__(self, groups: list[tuple[str, list[str], MethodFactory]], ignore: list[str],
+                 moe_groups: dict[str, MoEMethodFactory] | None = None) -> None:
         self.groups = groups
         self.ignore = ignore
+        self.moe_groups = moe_groups or {}  # each group's MoE method factory
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Self:
@@ -52,7 +59,9 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise ValueError(f"compressed-tensors config group {name!r} names a preset scheme {scheme}; "
                                  "a compressed checkpoint spells its schemes out")
             groups.append((name, list(scheme.targets), method_for_scheme(name, scheme, scheme.format or parsed.format)))
-        return cls(groups, list(parsed.ignore or ()))
+        moe_groups = {name: moe_method_for_scheme(name, scheme, scheme.format or parsed.format)
+                      for name, scheme in parsed.config_groups.items() if not isinstance(scheme, list)}
+        return cls(groups, list(parsed.ignore or ()), moe_groups)
 
     def group_of(self, layer: nn.Module, prefix: str) -> tuple[str, MethodFactory] | None:
         """The group (name, method factory) of the layer at ``prefix``; None: it stays float."""
@@ -74,3 +83,10 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         found = self.group_of(layer, prefix)
         return None if found is None else found[1](layer, prefix)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
+        """The experts follow the group of their first expert's gate projection: the checkpoint
+        (and the tool that quantized it) sees each expert's projections as ``Linear`` layers."""
+        names = getattr(layer, "expert_names", ("gate_proj", "up_proj", "down_proj"))
+        found = self._first_match(nn.Linear(1, 1, bias=False, device="meta"), f"{prefix}.0.{names[0]}")
+        return None if found is None else self.moe_groups[found[0]](layer, prefix)

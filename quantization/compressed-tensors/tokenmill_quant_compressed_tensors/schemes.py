@@ -26,11 +26,12 @@ from typing import Any
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import nn
 
-from tokenmill.layers import SUPPORTED_BITS, LinearMethod, QuantizationConfig
+from tokenmill.layers import SUPPORTED_BITS, FusedMoEMethod, LinearMethod, QuantizationConfig
 from tokenmill.plugin_api import get_plugin_manager, resolve_qualname
 from tokenmill_quant_compressed_tensors.packed import PackedIntLinearMethod
 
 MethodFactory = Callable[[nn.Module, str], LinearMethod | None]
+MoEMethodFactory = Callable[[nn.Module, str], FusedMoEMethod | None]
 SUPPORTED = ("INT8 W8A8 (int-quantized, by the int8 method)",
              "FP8 weights and activations (float-quantized, by the fp8 method)",
              "int weights with float activations, W4A16/W8A16 (pack-quantized)")
@@ -110,3 +111,17 @@ def _expect(group: str, field: str, args: QuantizationArgs, **expected: Any) -> 
 
 def _refuse(group: str, what: str) -> ValueError:
     return ValueError(f"compressed-tensors config group {group!r} {what}. Schemes that run: {'; '.join(SUPPORTED)}")
+
+
+def moe_method_for_scheme(group: str, scheme: QuantizationScheme, fmt: str) -> MoEMethodFactory:
+    """The MoE counterpart of :func:`method_for_scheme`: FP8 experts go to the installed
+    ``fp8`` method's serialized experts; the others are refused, when a MoE layer falls in
+    ``group``, naming the group (their experts are not read yet)."""
+    weights, inputs = scheme.weights, scheme.input_activations
+    if weights is not None and weights.type == "float" and inputs is not None and inputs.type == "float":
+        return _fp8(group, weights, inputs, fmt).get_moe_method
+
+    def refuse(layer: nn.Module, prefix: str) -> None:
+        raise _refuse(group, f"covers the MoE layer {prefix}, whose experts are read only for FP8 schemes so far")
+
+    return refuse

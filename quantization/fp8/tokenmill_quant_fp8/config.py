@@ -23,7 +23,7 @@ from tokenmill_quant_fp8.method import (
     Fp8LinearMethod,
     Fp8OnlineLinearMethod,
 )
-from tokenmill_quant_fp8.moe import Fp8OnlineMoEMethod
+from tokenmill_quant_fp8.moe import Fp8OnlineMoEMethod, Fp8SerializedMoEMethod
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
@@ -67,12 +67,15 @@ class Fp8Config(QuantizationConfig):
             return Fp8BlockLinearMethod(self.weight_block_size)
         return Fp8LinearMethod(static_input=self.activation_scheme == "static")
 
-    def get_moe_method(self, layer: nn.Module, prefix: str) -> Fp8OnlineMoEMethod | None:
-        """Online: every expert quantized per channel. A serialized checkpoint's FP8 experts
-        are not read yet (refused by name, rather than loaded as if float)."""
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Fp8OnlineMoEMethod | Fp8SerializedMoEMethod | None:
+        """Online: every expert quantized per channel. Serialized: the checkpoint's FP8
+        experts with per-tensor or per-channel scales and dynamic activations; block-wise or
+        static-activation experts are refused by name rather than loaded as if float."""
         if not self.serialized:
             return Fp8OnlineMoEMethod()
         if self.is_ignored(prefix):
             return None
-        raise ValueError(f"fp8: the checkpoint's FP8 experts ({prefix}) are not supported yet; "
-                         "quantize a float checkpoint at load instead (quantization='fp8')")
+        if self.weight_block_size is not None or self.activation_scheme != "dynamic":
+            what = "block-wise (weight_block_size)" if self.weight_block_size is not None else "static-activation"
+            raise ValueError(f"fp8: the checkpoint's {what} FP8 experts ({prefix}) are not supported yet")
+        return Fp8SerializedMoEMethod()

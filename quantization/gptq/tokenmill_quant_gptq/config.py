@@ -21,6 +21,7 @@ from torch import nn
 from tokenmill.layers import QuantizationConfig
 from tokenmill_quant_gptq.kernels import SUPPORTED_BITS
 from tokenmill_quant_gptq.method import GptqLinearMethod, GptqScheme
+from tokenmill_quant_gptq.moe import GptqFusedMoEMethod
 
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 2}
 
@@ -43,6 +44,10 @@ class GptqConfig(QuantizationConfig):
         if prefix.split(".")[-1] == "lm_head" and not self.lm_head:
             return None
         return GptqLinearMethod(self.scheme)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> GptqFusedMoEMethod:
+        """Every MoE layer's experts are GPTQ-packed, per expert (:mod:`tokenmill_quant_gptq.moe`)."""
+        return GptqFusedMoEMethod(self.scheme)
 
 
 def scheme_from_config(config: dict[str, Any]) -> GptqScheme:

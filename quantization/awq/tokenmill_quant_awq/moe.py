@@ -1,0 +1,111 @@
+"""AWQ experts: a MoE layer of an AWQ (GEMM layout) checkpoint, each expert's projections
+packed as the linear layers' are (:mod:`tokenmill_quant_awq.method`), stacked over the experts.
+
+A checkpoint stores every expert's ``w1`` / ``w3`` / ``w2`` (or ``gate_proj`` / ``up_proj`` /
+``down_proj``) as ``qweight`` / ``qzeros`` / ``scales``; the layer holds, for ``E`` experts
+of hidden size ``H`` and intermediate size ``I`` (``G(K) = K / group_size``):
+
+* ``gate_up_proj_qweight`` int32 ``[E, H, 2I / 8]``: an expert's gate columns' words, then
+  its up columns'; ``down_proj_qweight`` ``[E, I, H / 8]``; ``*_qzeros`` ``[E, G, N / 8]``,
+  all rewritten at load from AWQ's interleaved nibble order to the natural one;
+* ``*_scales`` float32 ``[E, G, N]``.
+
+The experts run one at a time over those that got tokens, each dequantised whole and
+multiplied in the activations' dtype (the linear layers' torch path). Not split over
+tensor-parallel ranks yet (refused at build, as the linear layers are).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from tokenmill.layers import dequantize_grouped, unpack_columns
+from tokenmill.layers.ops import layer_ops
+from tokenmill_quant_awq.method import BITS, PER_WORD, awq_to_natural
+
+if TYPE_CHECKING:
+    from tokenmill.layers import FusedMoE
+
+LEAVES = ("qweight", "qzeros", "scales")
+
+
+class AwqFusedMoEMethod:
+    """Packed AWQ experts, loaded per expert, dequantised per expert at run time."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
+                       intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
+        if layer.loader.world_size > 1:
+            raise ValueError(f"{layer.prefix}: AWQ experts are not split over tensor-parallel ranks yet")
+        inter = intermediate_size_per_rank
+        for stack, k, n, width in (("gate_up_proj", hidden_size, 2 * inter, inter),
+                                   ("down_proj", inter, hidden_size, hidden_size)):
+            group = k if self.group_size == -1 else self.group_size
+            if k % group or width % PER_WORD:
+                raise ValueError(f"{layer.prefix}.{stack}: {k} inputs in AWQ groups of {group} and outputs of "
+                                 f"{width} a projection (multiples of {PER_WORD} needed) do not divide")
+            groups = k // group
+            for leaf, data in (("qweight", torch.zeros(num_experts, k, n // PER_WORD, dtype=torch.int32)),
+                               ("qzeros", torch.zeros(num_experts, groups, n // PER_WORD, dtype=torch.int32)),
+                               ("scales", torch.zeros(num_experts, groups, n, dtype=torch.float32))):
+                param = layer.add_parameter(f"{stack}_{leaf}", data)
+                param.weight_loader = functools.partial(  # type: ignore[attr-defined]
+                    self._load, layer, stack, leaf, width)
+            layer.register_buffer(f"{stack}_g_idx", (torch.arange(k) // group).to(torch.int32), persistent=False)
+
+    def _load(self, layer: FusedMoE, stack: str, leaf: str, width: int, param: nn.Parameter, loaded: torch.Tensor,
+              shard_id: int | None = None, expert_id: int | None = None) -> None:
+        name = self.tensor_name(layer, stack, shard_id, expert_id, leaf)
+        if expert_id is None:
+            raise ValueError(f"{name}: AWQ experts are read per expert (experts.N.<projection>.{leaf}), "
+                             "not as a stacked tensor")
+        if leaf != "scales" and loaded.dtype != torch.int32:
+            raise ValueError(f"{name}: expected packed int32, the checkpoint has {loaded.dtype}")
+        columns = width if leaf == "scales" else width // PER_WORD
+        expert = param.data[expert_id]
+        target = expert if shard_id is None else expert.narrow(1, shard_id * columns, columns)
+        if loaded.shape != target.shape:
+            raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
+                             f"{expert_id} of {layer.prefix}.{stack}_{leaf} (expects {tuple(target.shape)}; "
+                             f"group_size {self.group_size})")
+        target.copy_(loaded.float() if leaf == "scales" else awq_to_natural(loaded))
+        self.loaded.add((expert_id, stack, shard_id, leaf))
+
+    @staticmethod
+    def tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
+        if expert_id is None:
+            return f"{layer.prefix}.{stack}_{leaf}"
+        projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
+        return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+
+    def missing_checkpoint_tensors(self, layer: FusedMoE) -> list[str]:
+        """Each expert's ``qweight`` / ``qzeros`` / ``scales`` that never came."""
+        return [self.tensor_name(layer, stack, shard, expert, leaf)
+                for expert in range(layer.num_experts)
+                for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
+                for shard in shards for leaf in LEAVES
+                if (expert, stack, shard, leaf) not in self.loaded]
+
+    def expert_weight(self, layer: FusedMoE, stack: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``expert``'s ``stack`` weight, dequantised ``[K, N]``."""
+        qweight, zeros, scales = (cast(torch.Tensor, getattr(layer, f"{stack}_{leaf}"))[expert] for leaf in LEAVES)
+        return dequantize_grouped(unpack_columns(qweight, BITS), unpack_columns(zeros, BITS), scales,
+                                  cast(torch.Tensor, getattr(layer, f"{stack}_g_idx")), dtype)
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = layer_ops(x.device)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slot = torch.where(topk_ids == expert)
+            hidden = ops.silu_and_mul(x[tokens] @ self.expert_weight(layer, "gate_up_proj", expert, x.dtype))
+            hidden = hidden @ self.expert_weight(layer, "down_proj", expert, x.dtype)
+            out.index_add_(0, tokens, (hidden * topk_weights[tokens, slot, None]).to(out.dtype))
+        return out

@@ -1,0 +1,154 @@
+"""GPTQ experts: a MoE layer of a GPTQ checkpoint, each expert's projections packed as the
+linear layers' are (:mod:`tokenmill_quant_gptq.method`), stacked over the experts.
+
+A checkpoint stores every expert's ``w1`` / ``w3`` / ``w2`` (or ``gate_proj`` / ``up_proj`` /
+``down_proj``) as ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``; the layer holds, for ``E``
+experts of hidden size ``H`` and intermediate size ``I`` (``p = 32 / bits``, ``G(K)`` groups
+over ``K`` inputs):
+
+* ``gate_up_proj_qweight`` int32 ``[E, H / p, 2I]``: an expert's gate columns, then its up
+  columns (the two share their input, so one matmul); ``down_proj_qweight`` ``[E, I / p, H]``;
+* ``*_qzeros`` unpacked ``[E, G, N]`` (v1's offset of one added back, as for the linear
+  layers), ``*_scales`` float32 ``[E, G, N]``;
+* ``*_g_idx`` int32 ``[E, K]``: gate and up of one expert must agree on it (act-order is
+  a property of the input), as a merged linear layer's shards must.
+
+The experts run one at a time over those that got tokens (the float reference's loop),
+each dequantised whole and multiplied in the activations' dtype, or, on CUDA with
+triton, through the linear layers' packed-int Triton matmul. Not split over
+tensor-parallel ranks yet (refused at build, as the linear layers are).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from tokenmill.layers.ops import layer_ops
+from tokenmill_quant_gptq.kernels import gptq_dequantize, unpack_columns, values_per_word
+from tokenmill_quant_gptq.method import GptqScheme, choose_packed_int_kernel
+
+if TYPE_CHECKING:
+    from tokenmill.layers import FusedMoE
+
+STACKS = ("gate_up_proj", "down_proj")
+REQUIRED_LEAVES = ("qweight", "qzeros", "scales")  # g_idx may be left out (no act-order)
+
+
+class GptqFusedMoEMethod:
+    """Packed GPTQ experts, loaded per expert, dequantised per expert at run time."""
+
+    def __init__(self, scheme: GptqScheme) -> None:
+        self.scheme = scheme
+        self.kernel = "torch"  # chosen once the weights are on their device
+        self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
+                       intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
+        if layer.loader.world_size > 1:
+            raise ValueError(f"{layer.prefix}: GPTQ experts are not split over tensor-parallel ranks yet")
+        per_word = values_per_word(self.scheme.bits)
+        inter = intermediate_size_per_rank
+        for what, size in (("hidden size", hidden_size), ("expert intermediate size", inter)):
+            if size % per_word:
+                raise ValueError(f"{layer.prefix}: a {what} of {size} is not a multiple of {per_word} "
+                                 f"({self.scheme.bits}-bit values, {per_word} to an int32 word)")
+        # (stack, inputs K, outputs N, shard width: the columns one checkpoint tensor fills)
+        for stack, k, n, width in (("gate_up_proj", hidden_size, 2 * inter, inter),
+                                   ("down_proj", inter, hidden_size, hidden_size)):
+            groups = self.scheme.groups(k)
+            shapes = {"qweight": (torch.zeros(num_experts, k // per_word, n, dtype=torch.int32)),
+                      "qzeros": torch.full((num_experts, groups, n), -1, dtype=torch.int32),
+                      "scales": torch.zeros(num_experts, groups, n, dtype=torch.float32),
+                      "g_idx": self.scheme.group_of(k).repeat(num_experts, 1)}
+            for leaf, data in shapes.items():
+                param = layer.add_parameter(f"{stack}_{leaf}", data)
+                param.weight_loader = functools.partial(  # type: ignore[attr-defined]
+                    self._load, layer, stack, leaf, width)
+
+    def _load(self, layer: FusedMoE, stack: str, leaf: str, width: int, param: nn.Parameter, loaded: torch.Tensor,
+              shard_id: int | None = None, expert_id: int | None = None) -> None:
+        name = self.tensor_name(layer, stack, shard_id, expert_id, leaf)
+        if expert_id is None:
+            raise ValueError(f"{name}: GPTQ experts are read per expert (experts.N.<projection>.{leaf}), "
+                             "not as a stacked tensor")
+        if leaf in ("qweight", "qzeros") and loaded.dtype != torch.int32:
+            raise ValueError(f"{name}: expected packed int32, the checkpoint has {loaded.dtype}")
+        expert = param.data[expert_id]
+        if leaf == "g_idx":
+            self._load_g_idx(name, expert, loaded, stack, shard_id, expert_id)
+            return
+        source = loaded.float() if leaf == "scales" else loaded
+        if leaf == "qzeros":
+            source = unpack_columns(loaded, self.scheme.bits) if loaded.dim() == 2 else loaded
+            source = source + 1 if self.scheme.zero_version == 1 else source
+        target = expert if shard_id is None else expert.narrow(1, shard_id * width, width)
+        if source.shape != target.shape:
+            raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
+                             f"{expert_id} of {layer.prefix}.{stack}_{leaf} (expects {tuple(target.shape)}"
+                             f"{' unpacked' if leaf == 'qzeros' else ''}; group_size {self.scheme.group_size})")
+        target.copy_(source)
+        self.loaded.add((expert_id, stack, shard_id, leaf))
+
+    def _load_g_idx(self, name: str, target: torch.Tensor, loaded: torch.Tensor, stack: str, shard_id: int | None,
+                    expert_id: int) -> None:
+        if tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: shape {tuple(loaded.shape)} for {target.shape[0]} input features")
+        loaded = loaded.to(torch.int32)
+        other = None if shard_id is None else (expert_id, stack, 1 - shard_id, "g_idx")
+        if other in self.loaded and not torch.equal(target, loaded):
+            raise ValueError(f"{name}: the expert's gate and up projections have different g_idx (act orders); "
+                             "they cannot share one matmul")
+        target.copy_(loaded)
+        self.loaded.add((expert_id, stack, shard_id, "g_idx"))
+
+    @staticmethod
+    def tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
+        if expert_id is None:
+            return f"{layer.prefix}.{stack}_{leaf}"
+        projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
+        return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+
+    def missing_checkpoint_tensors(self, layer: FusedMoE) -> list[str]:
+        """Each expert's ``qweight`` / ``qzeros`` / ``scales`` that never came."""
+        return [self.tensor_name(layer, stack, shard, expert, leaf)
+                for expert in range(layer.num_experts)
+                for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
+                for shard in shards for leaf in REQUIRED_LEAVES
+                if (expert, stack, shard, leaf) not in self.loaded]
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        for stack in STACKS:
+            scales, g_idx = self._param(layer, stack, "scales"), self._param(layer, stack, "g_idx")
+            if g_idx.min() < 0 or g_idx.max() >= scales.shape[1]:
+                raise ValueError(f"{layer.prefix}.{stack}_g_idx: group indices {int(g_idx.min())}.."
+                                 f"{int(g_idx.max())} outside the {scales.shape[1]} groups of its scales")
+        self.kernel = choose_packed_int_kernel(self._param(layer, "down_proj", "qweight").device)
+
+    @staticmethod
+    def _param(layer: FusedMoE, stack: str, leaf: str) -> torch.Tensor:
+        return cast(torch.Tensor, getattr(layer, f"{stack}_{leaf}"))
+
+    def expert_matmul(self, layer: FusedMoE, stack: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` by expert ``expert``'s ``stack`` weight ``[K, N]``, in ``x``'s dtype."""
+        qweight, zeros, scales, g_idx = (self._param(layer, stack, leaf)[expert]
+                                         for leaf in ("qweight", "qzeros", "scales", "g_idx"))
+        if self.kernel == "triton":
+            from tokenmill_quant_gptq.triton_kernels import packed_int_linear_triton
+
+            return packed_int_linear_triton(x, qweight, zeros, scales, g_idx, self.scheme.bits, None)
+        return x @ gptq_dequantize(qweight, zeros, scales, g_idx, self.scheme.bits, x.dtype)
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = layer_ops(x.device)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slot = torch.where(topk_ids == expert)
+            hidden = ops.silu_and_mul(self.expert_matmul(layer, "gate_up_proj", expert, x[tokens]))
+            hidden = self.expert_matmul(layer, "down_proj", expert, hidden) * topk_weights[tokens, slot, None]
+            out.index_add_(0, tokens, hidden.to(out.dtype))
+        return out
