@@ -1,8 +1,11 @@
 """The GGUF block dequantiser and the CPU kernel, against the ``gguf`` package and the torch reference.
 
-Blocks are packed by ``gguf.quants.quantize`` (llama.cpp's own packing, ported by the
-gguf package), so the layouts under test are the real on-disk ones; the SmolLM2 file's
-Q4_1 and Q8_0 tensors are checked too.
+Legacy blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are packed by ``gguf.quants.quantize``
+(llama.cpp's own packing, ported by the gguf package), so the layouts under test are
+the real on-disk ones; the SmolLM2 file's Q4_1 and Q8_0 tensors are checked too. The
+gguf package cannot quantize the K-quants (Q4_K, Q5_K, Q6_K), so their blocks are
+random bytes in the documented layout with finite float16 scales (every quant, 6-bit
+scale and min, high bit takes arbitrary values), and the blocks of ``k_quantizer``.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
+from k_quantizer import quantize_k, random_k_blocks
 
 from tokenmill_quant_gguf import default_model
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows, row_bytes
 from tokenmill_quant_gguf.cpu_kernel import load_cpu_kernel
 from tokenmill_quant_gguf.kernels import gguf_linear, gguf_linear_reference
+from tokenmill_quant_gguf.kquants import K_QUANTS
 
 TYPES = sorted(KEPT_QUANTIZED, key=int)
 KERNEL = load_cpu_kernel()
@@ -24,24 +29,46 @@ requires_kernel = pytest.mark.skipif(KERNEL is None, reason="the GGUF CPU kernel
 
 
 def packed(rows: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
-    """Random weights ``[rows, k]`` packed into ``qtype`` blocks by the gguf package."""
+    """Blocks ``[rows, k]`` of ``qtype``: random weights packed by the gguf package, or for
+    the K-quants (which it cannot pack) random bytes in their layout."""
+    if qtype in K_QUANTS:
+        return torch.from_numpy(random_k_blocks(rows, k, qtype, seed))
     values = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(quantize(values, qtype)))
 
 
+def features(qtype: GGMLQuantizationType, blocks: int) -> int:
+    return blocks * (256 if qtype in K_QUANTS else 32)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_reference_dequantises_as_the_gguf_package_does(qtype: GGMLQuantizationType) -> None:
-    qweight = packed(19, 96, qtype)
-    expected = torch.from_numpy(dequantize(qweight.numpy(), qtype).reshape(19, 96))
-    assert torch.equal(dequantize_rows(qweight, qtype, 96), expected)
+    k = features(qtype, 3)
+    qweight = packed(19, k, qtype)
+    expected = torch.from_numpy(dequantize(qweight.numpy(), qtype).reshape(19, k))
+    assert torch.equal(dequantize_rows(qweight, qtype, k), expected)
+
+
+@pytest.mark.parametrize("qtype", sorted(K_QUANTS, key=int), ids=lambda t: t.name)
+def test_the_test_k_quantizer_packs_what_the_gguf_package_unpacks(qtype: GGMLQuantizationType) -> None:
+    # Within a quantization step of the input: a field in a wrong place would be far off.
+    values = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    qweight = torch.from_numpy(quantize_k(values, qtype))
+    expected = torch.from_numpy(dequantize(qweight.numpy(), qtype).reshape(6, 512))
+    assert torch.equal(dequantize_rows(qweight, qtype, 512), expected)
+    bits = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q5_K: 5, GGMLQuantizationType.Q6_K: 6}[qtype]
+    sub_block_range = float(values.max() - values.min())
+    assert float((expected - torch.from_numpy(values)).abs().max()) < sub_block_range / 2**bits
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 7, 64])
-@pytest.mark.parametrize(("n", "k"), [(37, 416), (5, 32), (130, 96)])
+@pytest.mark.parametrize(("n", "blocks"), [(37, 13), (5, 1), (130, 3)])
 @requires_kernel
-def test_kernel_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> None:
-    # K = 416 is 13 blocks: not a multiple of 64 or of the kernel's 16-wide vectors per row pair.
+def test_kernel_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int, n: int, blocks: int) -> None:
+    # 13 blocks (K = 416, or 3328 for the K-quants): not a multiple of 64 or of the kernel's 16-wide vectors
+    # per row pair.
+    k = features(qtype, blocks)
     qweight = packed(n, k, qtype, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     expected = gguf_linear_reference(x, qweight, qtype, k)
@@ -65,7 +92,7 @@ def test_kernel_refuses_rows_that_do_not_hold_the_features() -> None:
     with pytest.raises(RuntimeError, match="do not hold 96 values"):
         KERNEL.gguf_matmul(torch.randn(1, 96), qweight, int(GGMLQuantizationType.Q8_0), 96)
     with pytest.raises(RuntimeError, match="has no kernel"):
-        KERNEL.gguf_matmul(torch.randn(1, 64), qweight, int(GGMLQuantizationType.Q4_K), 64)
+        KERNEL.gguf_matmul(torch.randn(1, 64), qweight, int(GGMLQuantizationType.Q2_K), 64)
 
 
 def test_features_that_are_not_whole_blocks_are_refused() -> None:

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import quantize
+from k_quantizer import quantize_k
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tokenmill_quant_gguf import default_model, tokenmill_register_quantization_methods
+from tokenmill_quant_gguf.kquants import K_QUANTS
 from tokenmill_quant_gguf.loader import load_gguf_checkpoint
 from tokenmill_quant_gguf.metadata import GGUFMetadata
 from tokenmill_quant_gguf.tokenizer import chat_template
@@ -199,17 +201,18 @@ TINY_ARCHS = {
 }
 
 
-def tiny_model(arch: str, tied: bool, intermediate_size: int = 96) -> PreTrainedModel:
+def tiny_model(arch: str, tied: bool, intermediate_size: int = 96, hidden_size: int = 64,
+               head_dim: int | None = None) -> PreTrainedModel:
     """Hidden 64, 2 layers, 4 heads, 2 kv heads; Qwen3 gets heads wider than hidden / heads."""
     config = AutoConfig.for_model(
         TINY_ARCHS[arch][0],
         vocab_size=TINY_VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32 if arch == "qwen3" else 16,
+        head_dim=head_dim or (32 if arch == "qwen3" else 16),
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
@@ -240,7 +243,8 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
 def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str,
                          quant_type: Callable[[str], gguf.GGMLQuantizationType] | None = None) -> None:
     """``model`` as llama.cpp writes it; ``quant_type(hf_name)``: the ggml type of each 2-d
-    weight (default F32), packed by the gguf package's own quantizer."""
+    weight (default F32), packed by the gguf package's own quantizer (the K-quants, which
+    it cannot pack, by the tests' ``k_quantizer``)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -280,7 +284,8 @@ def write_llama_cpp_gguf(model: PreTrainedModel, path: Path, arch: str,
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(llama_cpp_name(hf_name), values)
         else:
-            writer.add_tensor(llama_cpp_name(hf_name), quantize(values, qtype), raw_dtype=qtype)
+            blocks = quantize_k(values, qtype) if qtype in K_QUANTS else quantize(values, qtype)
+            writer.add_tensor(llama_cpp_name(hf_name), blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

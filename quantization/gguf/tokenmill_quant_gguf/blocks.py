@@ -8,11 +8,15 @@ torch (and the CPU kernel in registers), one block each:
 
 - ``Q4_0`` (18 bytes): float16 ``d``, then 16 bytes of 4-bit ``q``: value ``d * (q - 8)``;
 - ``Q4_1`` (20 bytes): float16 ``d`` and ``m``, then 16 bytes of 4-bit ``q``: ``d * q + m``;
-- ``Q8_0`` (34 bytes): float16 ``d``, then 32 int8 ``q``: ``d * q``.
+- ``Q8_0`` (34 bytes): float16 ``d``, then 32 int8 ``q``: ``d * q``;
+- ``Q5_0`` (22 bytes): float16 ``d``, 4 bytes ``qh``, 16 bytes of nibbles: ``d * (q - 16)``;
+- ``Q5_1`` (24 bytes): float16 ``d`` and ``m``, 4 bytes ``qh``, 16 bytes of nibbles: ``d * q + m``.
 
-In the 4-bit types byte ``j`` holds value ``j`` in its low nibble and value ``j + 16``
-in its high one. Every other type is dequantised by the ``gguf`` package (numpy, on
-the CPU): the reference this module is tested against.
+In the 4- and 5-bit types byte ``j`` holds value ``j`` in its low nibble and value ``j + 16``
+in its high one; in the 5-bit types bit ``j`` of the little-endian 32-bit ``qh`` is
+value ``j``'s fifth bit. The K-quants (Q4_K, Q5_K, Q6_K) are in
+:mod:`tokenmill_quant_gguf.kquants`. Every other type is dequantised by the ``gguf``
+package (numpy, on the CPU): the reference this module is tested against.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenmill_quant_gguf.kquants import K_QUANTS, dequantize_k_blocks
+
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+Q5_0, Q5_1 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1
 # The types a linear layer keeps quantized in memory: the kernel and the torch reference both read them.
-KEPT_QUANTIZED = frozenset({Q4_0, Q4_1, Q8_0})
+KEPT_QUANTIZED = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0}) | K_QUANTS
 # Types that are plain numbers, not blocks: a GGUF stores small or unquantized tensors so.
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
@@ -50,16 +57,33 @@ def dequantize_rows(qweight: torch.Tensor, qtype: GGMLQuantizationType, in_featu
         unpacked = dequantize(qweight.cpu().numpy(), qtype).reshape(qweight.shape[0], in_features)
         return torch.from_numpy(np.ascontiguousarray(unpacked, dtype=np.float32)).to(qweight.device)
     nbytes = block_geometry(qtype)[1]
+    if qtype in K_QUANTS:
+        return dequantize_k_blocks(qweight.reshape(-1, nbytes), qtype).reshape(qweight.shape[0], in_features)
     blocks = qweight.reshape(qweight.shape[0], -1, nbytes)
     scale = _float16(blocks[..., 0:2])
     if qtype == Q8_0:
         quants = blocks[..., 2:].contiguous().view(torch.int8).float()
         values = scale * quants
+    elif qtype in (Q5_0, Q5_1):
+        values = _five_bit(blocks, scale, qtype)
     else:
         packed = blocks[..., 4:] if qtype == Q4_1 else blocks[..., 2:]
         quants = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
         values = scale * quants + _float16(blocks[..., 2:4]) if qtype == Q4_1 else scale * (quants - 8)
     return values.reshape(qweight.shape[0], in_features)
+
+
+def _five_bit(blocks: torch.Tensor, scale: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Q5_0 / Q5_1 block values ``[rows, blocks, 32]``: nibbles plus ``qh``'s fifth bits."""
+    start = 4 if qtype == Q5_1 else 2
+    high = blocks[..., start:start + 4].to(torch.int64)  # qh as a little-endian 32-bit word
+    word = high[..., 0] | high[..., 1] << 8 | high[..., 2] << 16 | high[..., 3] << 24
+    fifth = (word.unsqueeze(-1) >> torch.arange(32, device=blocks.device)) & 1
+    packed = blocks[..., start + 4:]
+    quants = torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int64) | (fifth << 4)
+    if qtype == Q5_0:
+        return scale * (quants - 16).float()
+    return scale * quants.float() + _float16(blocks[..., 2:4])
 
 
 def _float16(two_bytes: torch.Tensor) -> torch.Tensor:

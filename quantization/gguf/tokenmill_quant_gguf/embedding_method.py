@@ -1,7 +1,7 @@
 """The GGUF token embedding: the table kept in the file's blocks, rows dequantised as looked up.
 
 The loader gives ``model.embed_tokens`` as ``qweight_type`` and ``qweight`` like a
-linear weight. A Q4_0 / Q4_1 / Q8_0 table stays in its blocks: a lookup dequantises
+linear weight. A table of a kept type (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K) stays in its blocks: a lookup dequantises
 only the rows of the ids asked for (exactly what the gguf package gives for them),
 and a tied lm_head multiplies by the same blocks through the GGUF kernel, so the
 vocabulary, the largest matrix of a small model, is held once and quantized. Any

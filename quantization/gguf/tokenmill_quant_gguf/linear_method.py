@@ -7,11 +7,12 @@ merged layer (q/k/v, gate/up). Shards can differ in type (llama.cpp's mixes put
 are loaded; :meth:`GGUFLinearMethod.process_weights_after_loading` then settles the
 layer's form:
 
-- every shard of one type in :data:`~tokenmill_quant_gguf.blocks.KEPT_QUANTIZED`
+- every shard of one type in :data:`~tokenmill_quant_gguf.blocks.KEPT_QUANTIZED` (Q4_0, Q4_1,
+  Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
   (and the method not told to dequantise): the rows are joined into one uint8
   ``qweight`` ``[out, bytes per row]`` that :func:`~tokenmill_quant_gguf.kernels.gguf_linear`
   multiplies by, dequantising block by block;
-- otherwise (K-quants, float tensors, mixed shards, ``dequantize=True``): the
+- otherwise (other types, float tensors, mixed shards, ``dequantize=True``): the
   shards are dequantised into a float ``weight`` of the params dtype, multiplied as a
   float layer's.
 

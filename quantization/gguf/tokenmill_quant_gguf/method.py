@@ -18,8 +18,8 @@ class GGUFConfig(QuantizationConfig):
     ``gguf``). Every linear layer gets a :class:`GGUFLinearMethod` (the loader gives
     every linear weight as blocks), and the token embedding a
     :class:`GGUFEmbeddingMethod` (a tied lm_head multiplies by its blocks); the norms
-    come dequantised. Q4_0, Q4_1 and Q8_0 weights stay quantized; other types are
-    dequantised at load.
+    come dequantised. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights stay
+    quantized; other types are dequantised at load.
     """
 
     name: ClassVar[str] = "gguf"
