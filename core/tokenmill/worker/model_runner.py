@@ -46,7 +46,8 @@ class ModelRunner:
                  vocab_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
                  kv_allocator: KVCacheAllocator | None = None, samples: bool = True,
-                 mirrors_logits: bool = False, lora: LoRAModelSlots | None = None) -> None:
+                 mirrors_logits: bool = False, lora: LoRAModelSlots | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
         ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
@@ -54,12 +55,15 @@ class ModelRunner:
         they learn the sampled tokens from the scheduler's diffs (``CachedRequestData.new_token_ids``).
         ``mirrors_logits``: such a rank still computes the logits rank 0 computes (and drops
         them), since a tensor-parallel lm_head gathers from every rank.
-        ``lora``: the model's LoRA slots, where LoRA is enabled."""
+        ``lora``: the model's LoRA slots, where LoRA is enabled.
+        ``kv_cache_dtype``: what the KV tensors are allocated in (None: ``dtype``; a float8
+        dtype for an fp8 KV cache, which the backend quantises on write)."""
         self.model = model
         self.lora = lora
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.samples = samples
@@ -82,7 +86,7 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
@@ -97,7 +101,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             allocate = self.kv_allocator.allocate_kv_tensor
-            cache = (allocate(shape, self.dtype), allocate(shape, self.dtype))
+            cache = (allocate(shape, self.kv_cache_dtype), allocate(shape, self.kv_cache_dtype))
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
         if prefault_blocks:
