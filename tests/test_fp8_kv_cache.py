@@ -28,8 +28,13 @@ from tiny_models import build_model
 from typer.testing import CliRunner
 
 from tokenmill import LLM, PluginError
+from tokenmill.attention import AttentionRequirements
+from tokenmill.attention.selection import DeviceDescription, choose_and_build, rank_backends
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention import Attention
+from tokenmill.plugins import get_plugin_manager
+from tokenmill.plugins.specs import AttentionBackendSpec
+from tokenmill_platform_cuda.platform import CUDA_ATTENTION_PRIORITIES
 
 MAX_NEW = 16
 LOGPROB_TOLERANCE = {"fp8": 0.35, "fp8_e5m2": 0.6}
@@ -58,10 +63,12 @@ def _runner_look(llm: LLM) -> tuple[list[torch.dtype], list[tuple[float, float]]
     return dtypes, scales, backend, llm.engine.core.num_kv_blocks
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_greedy_with_an_fp8_kv_cache_agrees_with_transformers_float32(float_llama, kv_cache_dtype):
+def test_greedy_with_an_fp8_kv_cache_agrees_with_transformers_float32(float_llama, kv_cache_dtype, backend):
     prompts = _prompts()
-    tokens, logprobs = greedy_with_logprobs(float_llama, prompts, MAX_NEW, kv_cache_dtype=kv_cache_dtype)
+    tokens, logprobs = greedy_with_logprobs(float_llama, prompts, MAX_NEW, kv_cache_dtype=kv_cache_dtype,
+                                            attention_backend=backend)
     agreement = agreement_with_transformers(float_llama, prompts, tokens, logprobs)
     assert agreement.fraction >= 0.90, f"{kv_cache_dtype}: {agreement}"
     assert agreement.max_logprob_error <= LOGPROB_TOLERANCE[kv_cache_dtype], f"{kv_cache_dtype}: {agreement}"
@@ -74,7 +81,7 @@ def test_the_same_budget_holds_more_blocks_in_fp8(float_llama, dtype, ratio):
     plain = _runner_look(LLM(str(float_llama), **options))
     fp8 = _runner_look(LLM(str(float_llama), kv_cache_dtype="fp8", **options))
     assert set(plain[0]) == {getattr(torch, dtype)} and set(fp8[0]) == {torch.float8_e4m3fn}
-    assert fp8[2] == "sdpa", "the CPU's paged kernel stores no fp8: selection must pass it over"
+    assert fp8[2] in _fp8_capable(), f"{fp8[2]} was chosen, which declares no fp8 KV cache"
     assert fp8[3] == pytest.approx(ratio * plain[3], abs=ratio), (plain[3], fp8[3])
 
 
@@ -114,10 +121,37 @@ def test_a_kv_scale_that_is_not_one_positive_scalar_is_refused(float_llama, tmp_
         LLM(str(bad), dtype="float32", max_model_len=96, kv_cache_memory="4MiB", kv_cache_dtype="fp8")
 
 
-def test_a_backend_that_cannot_store_fp8_is_refused_naming_those_that_can(float_llama):
-    with pytest.raises(PluginError, match=r"'cpu-paged' cannot run here: no fp8_e4m3 KV cache.*can: .*sdpa"):
-        LLM(str(float_llama), dtype="float32", max_model_len=96, kv_cache_memory="4MiB", kv_cache_dtype="fp8",
-            attention_backend="cpu-paged")
+def _specs() -> list[AttentionBackendSpec]:
+    registered = get_plugin_manager().collect_named("tokenmill_register_attention_backends", platform=None)
+    return [spec for _, spec in registered.values()]
+
+
+def _fp8_capable() -> set[str]:
+    return {spec.name for spec in _specs() if "fp8_e4m3" in spec.kv_cache_dtypes}
+
+
+def test_each_backend_declares_the_kv_dtypes_it_stores():
+    declared = {spec.name: spec.kv_cache_dtypes for spec in _specs()}
+    for name in ("sdpa", "cpu-paged"):  # quantise on write, dequantise on read
+        assert declared[name] == ("auto", "fp8_e4m3", "fp8_e5m2"), name
+    for name in ("flash-attn", "flashinfer", "triton"):  # their kernels read the model's dtype only
+        if name in declared:
+            assert declared[name] == ("auto",), name
+
+
+def test_a_backend_that_cannot_store_fp8_is_refused_naming_those_that_can():
+    hopper = DeviceDescription("cuda", "cuda", (9, 0), CUDA_ATTENTION_PRIORITIES)
+    needs = AttentionRequirements(device_type="cuda", dtype="bfloat16", head_size=128, sliding_window=False,
+                                  block_size=256, kv_cache_dtype="fp8_e4m3", preferred="flash-attn")
+    ranked = rank_backends(_specs(), needs, hopper)
+    with pytest.raises(PluginError, match=r"'flash-attn' cannot run here: no fp8_e4m3 KV cache \(takes auto\); "
+                                          r"the ones that can: sdpa$"):
+        choose_and_build(ranked, needs, hopper, choose=lambda c: c[0].name if c else None,
+                         build=lambda spec: pytest.fail("built a backend that was refused"))
+    # Left to choose, the engine passes over the fast backends for the one that stores fp8.
+    unforced = AttentionRequirements(**{**needs.__dict__, "preferred": None})
+    runnable = [r.spec.name for r in rank_backends(_specs(), unforced, hopper) if r.reason is None]
+    assert runnable == ["sdpa"]
 
 
 def test_kv_cache_dtype_names():

@@ -140,7 +140,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         block_size=config.block_size,
         kv_cache_dtype=config.kv_cache_dtype,
     )
-    backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
+    backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size,
+                                       kv_cache_dtype=config.kv_cache_dtype)
     lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None
     runner = ModelRunner(
         model=model,
