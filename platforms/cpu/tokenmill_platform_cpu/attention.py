@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv_cache.fp8 import gather_blocks, is_fp8, kv_cache_torch_dtype, write_kv
+from tokenmill.kv_cache.fp8 import dequantize_kv, gather_blocks, is_fp8, kv_cache_torch_dtype, quantize_kv, write_kv
 from tokenmill.layers import Attention
 from tokenmill.plugin_api import AttentionMetadata, KVCache
 from tokenmill_platform_cpu.kernels import load_kernels
@@ -89,8 +89,13 @@ class CpuPagedAttentionBackend:
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         step: PagedStepData = metadata.backend_data
+        kv_cache_fp8 = kv_cache[0].dtype
         if is_fp8(kv_cache[0].dtype):
             kv_cache, metadata = self._dequantised_step(layer, key, value, kv_cache, metadata)
+            # A whole prompt attends to its new keys directly: round them as the cache holds them,
+            # so its output does not depend on whether a prefix came from the cache.
+            key = dequantize_kv(quantize_kv(key, layer.k_scale, kv_cache_fp8), layer.k_scale, key.dtype)
+            value = dequantize_kv(quantize_kv(value, layer.v_scale, kv_cache_fp8), layer.v_scale, value.dtype)
         else:
             active_kernels(self._kernels).write_kv_cache(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         if step.kernel_tokens is None:
