@@ -29,6 +29,7 @@ child pytest: :func:`tokenmill.testing.child.run_pytest_child`); elsewhere they 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, cast
@@ -116,14 +117,18 @@ class FP8KVCacheConformance:
             out, key_cache, value_cache = kit.run_backend(kit.make_backend(attention_case.block_size), rounded,
                                                           new_kv=(batch.key, batch.value), scales=FP8_KV_SCALES)
             assert out.dtype == dtype, f"{name}: output in {out.dtype}, expected {dtype}"
-            where = f"{name}, against the definition over the rounded KV"
             torch.testing.assert_close(out.double().cpu(), reference_attention(rounded), atol=atol, rtol=rtol,
-                                       msg=lambda m: f"{where}: {m}")
+                                       msg=functools.partial(_prefixed, f"{name}, against the definition over the "
+                                                                        "rounded KV"))
             error = float((out.double().cpu() - reference_attention(batch)).abs().max())
             assert error <= fp8_kv_bound(name), f"{name}: {error} from the float KV cache's output"
             stored = (quantize_kv(batch.key, FP8_KV_SCALES[0], key_cache.dtype),
                       quantize_kv(batch.value, FP8_KV_SCALES[1], value_cache.dtype))
             kit._check_cache_writes(rounded, key_cache, value_cache, new_stored=stored)
+
+
+def _prefixed(prefix: str, message: str) -> str:
+    return f"{prefix}: {message}"
 
 
 def registered_attention_spec(name: str, platform: Any = None) -> AttentionBackendSpec | None:
