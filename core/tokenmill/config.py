@@ -73,6 +73,10 @@ class EngineConfig(BaseModel):
                                           json_schema_extra=cli(_KV))
     num_kv_blocks: int | None = Field(None, ge=1, description="Number of KV blocks, instead of the one computed "
                                                               "from the memory budget", json_schema_extra=cli(_KV))
+    kv_cache_dtype: str = Field(
+        "auto", description="dtype of the KV cache: auto (the model's), fp8 (= fp8_e4m3) or fp8_e5m2; float8 "
+                            "halves the bytes per block against bfloat16, scaled by the checkpoint's per-layer "
+                            "k_scale/v_scale where it has them, else 1.0", json_schema_extra=cli(_KV))
 
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step",
                                         json_schema_extra=cli(_SCHED))
@@ -210,6 +214,13 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_size(cls, value: int | str | None) -> int | None:
         return None if value is None else parse_size(value)
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_cache_dtype(cls, value: str) -> str:
+        from tokenmill.kv_cache.fp8 import normalize_kv_cache_dtype
+
+        return normalize_kv_cache_dtype(value)
 
     @field_validator("dtype")
     @classmethod

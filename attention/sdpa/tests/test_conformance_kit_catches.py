@@ -10,6 +10,7 @@ import os
 from typing import ClassVar
 
 import pytest
+import torch
 
 from tokenmill.plugin_api import AttentionBackendSpec
 from tokenmill.testing.attention import AttentionBackendConformance
@@ -63,6 +64,40 @@ def test_the_unfaulted_backend_passes_the_same_checks():
         _kit_for(SDPABackend).test_matches_reference(CASES[case], "float32")
 
 
+class _IgnoresTheKScale(SDPABackend):
+    """Stores and reads an fp8 cache as if every k_scale were 1.0."""
+
+    def forward(self, layer, query, key, value, kv_cache, metadata):
+        unscaled = type(layer)(layer.num_heads, layer.head_size, layer.num_kv_heads, layer.scale)
+        unscaled.v_scale = layer.v_scale
+        return super().forward(unscaled, query, key, value, kv_cache, metadata)
+
+
+class _StoresTheCacheInTheModelsRounding(SDPABackend):
+    """Writes an fp8 cache by a plain cast, without dividing by the scales."""
+
+    def forward(self, layer, query, key, value, kv_cache, metadata):
+        out = super().forward(layer, query, key, value, kv_cache, metadata)
+        for cache, new in zip(kv_cache, (key, value), strict=True):
+            flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
+            flat[metadata.slot_mapping] = new.to(cache.dtype).view(torch.uint8)
+        return out
+
+
+def _fp8_kit_for(backend_cls: type) -> AttentionBackendConformance:
+    kit = type("Kit", (AttentionBackendConformance,), {
+        "backend": backend_cls, "compare_with_reference_backend": False,
+        "spec": AttentionBackendSpec(name="faulty", qualname="faulty:Faulty", kv_cache_dtypes=("auto", "fp8_e4m3"))})
+    return kit()
+
+
+@pytest.mark.parametrize("backend_cls", [_IgnoresTheKScale, _StoresTheCacheInTheModelsRounding])
+def test_a_backend_that_mishandles_fp8_scales_fails(backend_cls):
+    with pytest.raises(AssertionError):
+        _fp8_kit_for(backend_cls).test_fp8_kv_cache(CASES["mixed"], "float32")
+    _fp8_kit_for(SDPABackend).test_fp8_kv_cache(CASES["mixed"], "float32")
+
+
 class TestSDPAInAChildConformance(AttentionBackendConformance):
     """Skipped here; run by the test below in a child that has the variable."""
 
@@ -74,7 +109,7 @@ class TestSDPAInAChildConformance(AttentionBackendConformance):
 def test_kit_cases_run_in_a_child_with_their_environment():
     output = run_pytest_child(f"{__file__}::TestSDPAInAChildConformance", env={"TOKENMILL_KIT_CHILD_CHECK": "1"},
                               extra_args=["-k", "mixed or decode-only"])
-    assert "2 passed" in output
+    assert "4 passed" in output  # each case: test_matches_reference and test_fp8_kv_cache
     assert "TOKENMILL_KIT_CHILD_CHECK" not in os.environ  # the parent is untouched
 
 

@@ -17,5 +17,6 @@ def tokenmill_register_attention_backends(platform: Any) -> list[AttentionBacken
             device_types=("cpu", "cuda", "xpu"),
             priority=0,
             supports_logits_soft_cap=True,
+            kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
         )
     ]

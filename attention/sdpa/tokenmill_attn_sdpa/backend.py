@@ -7,6 +7,8 @@ every request's blocks whole (``index_select`` of block-sized chunks, several
 times faster than gathering token rows), and runs one batched SDPA call
 (grouped-query attention natively, no repeated KV heads). Key positions past a
 request's length read whatever its padding blocks hold; the mask removes them.
+An fp8 KV cache (``kv_cache_dtype``) is quantised on write with the layer's
+``k_scale``/``v_scale`` and dequantised on the gather (``tokenmill.kv_cache.fp8``).
 A layer with a soft cap on its scores (Gemma 2) takes the same gather and mask
 through an explicit softmax, since SDPA cannot apply a function to the scores.
 """
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kv_cache.fp8 import gather_blocks, write_kv
 from tokenmill.layers import Attention
 from tokenmill.plugin_api import AttentionMetadata, KVCache
 
@@ -78,14 +81,16 @@ class SDPABackend:
         key_cache, value_cache = kv_cache
         flat_k = key_cache.view(-1, layer.num_kv_heads, layer.head_size)
         flat_v = value_cache.view(-1, layer.num_kv_heads, layer.head_size)
-        flat_k.index_copy_(0, metadata.slot_mapping, key)
-        flat_v.index_copy_(0, metadata.slot_mapping, value)
+        write_kv(flat_k, metadata.slot_mapping, key, layer.k_scale)
+        write_kv(flat_v, metadata.slot_mapping, value, layer.v_scale)
 
         step: SDPAStepData = metadata.backend_data
         num_reqs, seq = step.query_index.shape[0], step.key_pos.shape[0]
         q = query[step.query_index].transpose(1, 2)  # [B, H, Q, D]
-        k = key_cache.index_select(0, step.block_index).view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
-        v = value_cache.index_select(0, step.block_index).view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
+        k = gather_blocks(key_cache, step.block_index, layer.k_scale, query.dtype)
+        v = gather_blocks(value_cache, step.block_index, layer.v_scale, query.dtype)
+        k = k.view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
+        v = v.view(num_reqs, seq, layer.num_kv_heads, layer.head_size)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, S, D]
         mask = step.mask(layer.sliding_window)
         if layer.logits_soft_cap is not None:

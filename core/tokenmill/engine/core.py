@@ -128,8 +128,8 @@ class EngineCore:
                 f"max_model_len={self.max_model_len} sequence needs ({needed}); raise kv_cache_memory or lower max_model_len"
             )
         self.executor.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, kv_cache_dtype %s)", num_blocks,
+                    self.config.block_size, num_blocks * per_block / 2**20, self.config.kv_cache_dtype)
         return num_blocks
 
     def _describe_model(self) -> ModelInfo:

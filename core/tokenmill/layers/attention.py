@@ -34,6 +34,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.layer_index = layer_index
         self.logits_soft_cap = logits_soft_cap
+        # Per-tensor scales of an fp8 KV cache (stored = k / k_scale): the checkpoint's where it
+        # has them (tokenmill.model_loader.kv_scales), else 1.0; unused by a cache in the model's dtype.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend: AttentionBackend | None = None
         self.kv_cache: KVCache | None = None
         # A KV connector's worker side (``KVConnectorWorker``) and this layer's index in the

@@ -29,14 +29,16 @@ child pytest: :func:`tokenmill.testing.child.run_pytest_child`); elsewhere they 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import pytest
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.kv_cache.fp8 import FP8_KV_CACHE_DTYPES, dequantize_kv, quantize_kv
 from tokenmill.layers.attention import Attention
 from tokenmill.plugins.specs import AttentionBackendSpec, resolve_qualname
 from tokenmill.testing.attention_cases import (
@@ -57,6 +59,78 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
+# -- fp8 KV cache -----------------------------------------------------------------------
+
+# Power-of-two scales, as calibrated checkpoints' k_scale/v_scale are in spirit (not 1.0, so a
+# backend that forgets one is caught): the rounded values are then exact in every model dtype.
+FP8_KV_SCALES = (0.5, 0.25)
+
+
+def fp8_kv_bound(kv_cache_dtype: str) -> float:
+    """How far attention over an fp8 KV cache may stray from the float cache's, for the kit's
+    N(0, 1) inputs: rounding to float8 with m mantissa bits errs by at most u = 2**-(m+1) of a
+    value (e4m3: 1/16, e5m2: 1/8); the output, a convex combination of values of magnitude up
+    to about 4 (the kit's N(0, 1) draws), moves through V by at most 4u, and K's rounding moves
+    the weights by less than that on these shapes. Bound: 4u (0.25 / 0.5); SDPA measured at
+    most 0.13 (e4m3) and 0.28 (e5m2) over the default cases in float32 and bfloat16."""
+    mantissa = {"fp8_e4m3": 3, "fp8_e5m2": 2}[kv_cache_dtype]
+    return 4 * 2.0 ** -(mantissa + 1)
+
+
+def fp8_rounded(batch: PagedBatch, kv_cache_dtype: str, scales: tuple[float, float] = FP8_KV_SCALES) -> PagedBatch:
+    """The batch with its KV cache in float8 (the slots an earlier step wrote, quantised with
+    ``scales``) and its per-request keys/values the ones that cache holds, dequantised: the
+    reference over these is what attention over the fp8 cache computes exactly."""
+    import dataclasses
+
+    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    k_scale, v_scale = scales
+
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return dequantize_kv(quantize_kv(x, scale, fp8), scale, x.dtype)
+
+    return dataclasses.replace(
+        batch, key=rounded(batch.key, k_scale), value=rounded(batch.value, v_scale),
+        key_cache=quantize_kv(batch.key_cache, k_scale, fp8), value_cache=quantize_kv(batch.value_cache, v_scale, fp8),
+        sequence_keys=[rounded(k, k_scale) for k in batch.sequence_keys],
+        sequence_values=[rounded(v, v_scale) for v in batch.sequence_values])
+
+
+class FP8KVCacheConformance:
+    """Mixed into :class:`AttentionBackendConformance`: for each fp8 KV dtype the spec declares
+    (``kv_cache_dtypes``), every case must match the definition over the rounded keys and values
+    (the dtype's tolerance), stay within :func:`fp8_kv_bound` of the float cache's output, and
+    leave the cache holding the quantised new tokens at their slots, the other bytes untouched.
+    A backend declaring no fp8 KV dtype skips it."""
+
+    def test_fp8_kv_cache(self, attention_case: AttentionCase, attention_dtype: str) -> None:
+        kit = cast("AttentionBackendConformance", self)
+        kit._skip_unless_runnable(attention_case, attention_dtype)
+        fp8_names = [name for name in kit.backend_spec().kv_cache_dtypes if name != "auto"]
+        if not fp8_names:
+            pytest.skip("the spec declares no fp8 KV cache dtype")
+        dtype = getattr(torch, attention_dtype)
+        batch = build_paged_batch(attention_case, kit.device, dtype)
+        atol, rtol = kit.tolerances[attention_dtype]
+        for name in fp8_names:
+            rounded = fp8_rounded(batch, name)
+            out, key_cache, value_cache = kit.run_backend(kit.make_backend(attention_case.block_size), rounded,
+                                                          new_kv=(batch.key, batch.value), scales=FP8_KV_SCALES)
+            assert out.dtype == dtype, f"{name}: output in {out.dtype}, expected {dtype}"
+            torch.testing.assert_close(out.double().cpu(), reference_attention(rounded), atol=atol, rtol=rtol,
+                                       msg=functools.partial(_prefixed, f"{name}, against the definition over the "
+                                                                        "rounded KV"))
+            error = float((out.double().cpu() - reference_attention(batch)).abs().max())
+            assert error <= fp8_kv_bound(name), f"{name}: {error} from the float KV cache's output"
+            stored = (quantize_kv(batch.key, FP8_KV_SCALES[0], key_cache.dtype),
+                      quantize_kv(batch.value, FP8_KV_SCALES[1], value_cache.dtype))
+            kit._check_cache_writes(rounded, key_cache, value_cache, new_stored=stored)
+
+
+def _prefixed(prefix: str, message: str) -> str:
+    return f"{prefix}: {message}"
+
+
 def registered_attention_spec(name: str, platform: Any = None) -> AttentionBackendSpec | None:
     """The installed plugins' spec called ``name`` (None when no plugin registers it)."""
     from tokenmill.plugins import get_plugin_manager
@@ -65,7 +139,7 @@ def registered_attention_spec(name: str, platform: Any = None) -> AttentionBacke
     return named[name][1] if name in named else None
 
 
-class AttentionBackendConformance(KitTestClass):
+class AttentionBackendConformance(KitTestClass, FP8KVCacheConformance):
     """Base of a backend's conformance tests (not collected itself: no ``Test`` prefix)."""
 
     backend_name: ClassVar[str | None] = None
@@ -147,15 +221,21 @@ class AttentionBackendConformance(KitTestClass):
         if reason is not None:
             pytest.skip(reason)
 
-    def run_backend(self, backend: AttentionBackend, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One step of ``backend`` on its own copy of the batch's cache: output, K cache, V cache."""
+    def run_backend(self, backend: AttentionBackend, batch: PagedBatch,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of ``backend`` on its own copy of the batch's cache: output, K cache, V cache.
+        ``new_kv``: the new tokens' keys/values to hand it (default: the batch's); ``scales``: the
+        layer's ``k_scale``/``v_scale`` (an fp8 cache's)."""
         case = batch.case
         key_cache, value_cache = batch.copy_caches()
         layer = Attention(case.num_heads, case.head_size, case.num_kv_heads, case.head_size ** -0.5,
                           sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap)
+        layer.k_scale, layer.v_scale = scales
+        key, value = new_kv if new_kv is not None else (batch.key, batch.value)
         metadata = _fresh(batch)
         metadata.backend_data = backend.prepare(metadata)
-        out = backend.forward(layer, batch.query, batch.key, batch.value, (key_cache, value_cache), metadata)
+        out = backend.forward(layer, batch.query, key, value, (key_cache, value_cache), metadata)
         return out, key_cache, value_cache
 
     def test_matches_reference(self, attention_case: AttentionCase, attention_dtype: str) -> None:
@@ -173,11 +253,16 @@ class AttentionBackendConformance(KitTestClass):
         if self.compare_with_reference_backend:
             self._check_against_sdpa(batch, out, atol, rtol)
 
-    def _check_cache_writes(self, batch: PagedBatch, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        """The new K/V are at their slots; every other slot is as it was."""
+    def _check_cache_writes(self, batch: PagedBatch, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            new_stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The new K/V are at their slots; every other slot is as it was. ``new_stored``: what a
+        float8 cache must hold for the new K/V (compared byte for byte)."""
         slots = batch.metadata.slot_mapping
-        for name, written, before, new in (("key", key_cache, batch.key_cache, batch.key),
-                                           ("value", value_cache, batch.value_cache, batch.value)):
+        news = new_stored if new_stored is not None else (batch.key, batch.value)
+        for name, written, before, new in (("key", key_cache, batch.key_cache, news[0]),
+                                           ("value", value_cache, batch.value_cache, news[1])):
+            if new_stored is not None:
+                written, before, new = written.view(torch.uint8), before.view(torch.uint8), new.view(torch.uint8)
             flat_written = written.reshape(-1, *written.shape[2:])
             expected = before.reshape(-1, *before.shape[2:]).clone()
             expected[slots] = new

@@ -16,6 +16,7 @@ from tokenmill.layers.ops import layer_ops
 from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.model_loader.checkpoint import Checkpoint
+from tokenmill.model_loader.kv_scales import KVScales
 from tokenmill.worker.model_interface import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
                             layer_ops=layer_ops(device), pipeline=stage)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(checkpoint.hf_config, ctx=ctx)
-    weights = checkpoint.weights()
+    kv_scales = KVScales()
+    weights = kv_scales.filter(checkpoint.weights())
     if progress:
         from tqdm import tqdm
 
@@ -58,6 +60,7 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {checkpoint.path} lacks parameters {sorted(missing)[:8]}")
+    kv_scales.apply(model)
     with torch.no_grad():
         process_weights_after_loading(model)
     return cast(CausalLM, model.eval())

@@ -49,7 +49,8 @@ class ModelRunner:
                  graph_capture: StepGraphCapture | None = None, max_graph_batch_size: int = 0,
                  kv_allocator: KVCacheAllocator | None = None, samples: bool = True,
                  mirrors_logits: bool = False, lora: LoRAModelSlots | None = None,
-                 mm_encoder_cache_size: int = 0) -> None:
+                 mm_encoder_cache_size: int = 0,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         """``graph_capture``: the platform, where it can capture step graphs and the backend
         allows them; decode batches of up to ``max_graph_batch_size`` requests then replay one.
         ``kv_allocator``: what makes the KV tensors (the platform's, or zeros on ``device``).
@@ -59,12 +60,16 @@ class ModelRunner:
         them), since a tensor-parallel lm_head gathers from every rank.
         ``lora``: the model's LoRA slots, where LoRA is enabled.
         ``mm_encoder_cache_size``: the encoder cache's budget in embedding rows, for a
-        multimodal model (:mod:`tokenmill.worker.multimodal`)."""
+        multimodal model (:mod:`tokenmill.worker.multimodal`).
+
+        ``kv_cache_dtype``: what the KV tensors are allocated in (None: ``dtype``; a float8
+        dtype for an fp8 KV cache, which the backend quantises on write)."""
         self.model = model
         self.lora = lora
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.samples = samples
@@ -91,7 +96,7 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
@@ -106,7 +111,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             allocate = self.kv_allocator.allocate_kv_tensor
-            cache = (allocate(shape, self.dtype), allocate(shape, self.dtype))
+            cache = (allocate(shape, self.kv_cache_dtype), allocate(shape, self.kv_cache_dtype))
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
         if self.kv_connector is not None:

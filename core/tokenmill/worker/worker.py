@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.fp8 import kv_cache_torch_dtype
 from tokenmill.kv_transfer.connector import KVConnectorContext
 from tokenmill.kv_transfer.registry import build_worker_connector
 from tokenmill.layers.attention import Attention
@@ -141,8 +142,10 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         preferred=config.attention_backend,
         logits_soft_cap=any(layer.logits_soft_cap for layer in layers),
         block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
-    backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size)
+    backend = create_attention_backend(plugins, platform, needs, block_size=config.block_size,
+                                       kv_cache_dtype=config.kv_cache_dtype)
     lora = LoRAModelSlots(cast(nn.Module, model), config.max_loras, config.max_lora_rank) if config.enable_lora else None
     runner = ModelRunner(
         model=model,
@@ -160,6 +163,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
         mirrors_logits=comm.world_size > 1 and stage.is_last,  # only the last stage has an lm_head
         lora=lora,
         mm_encoder_cache_size=config.mm_encoder_cache_size,
+        kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype),
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)

@@ -23,5 +23,6 @@ def tokenmill_register_attention_backends(platform: Any) -> list[AttentionBacken
             device_types=("cpu",),
             dtypes=("float32", "bfloat16"),
             priority=10,
+            kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),  # fp8: a torch path (attention.py)
         )
     ]

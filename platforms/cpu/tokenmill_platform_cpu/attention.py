@@ -8,6 +8,15 @@ decode step's time with the SDPA reference backend. Long query chunks
 per-token walk once a query attends to many keys: a whole prompt attends to
 the keys just computed with a plain causal mask; a chunk that continues a
 cached prefix gathers its blocks and uses an explicit mask.
+
+An fp8 KV cache (``kv_cache_dtype``) takes a torch path for now: the new tokens
+are quantised on write (``tokenmill.kv_cache.fp8``), and each step dequantises
+only the blocks its requests' block tables name into a temporary cache in the
+model's dtype, which the same kernel and SDPA paths then read. That keeps the
+memory saving (the whole cache stays in float8) at the cost of a per-layer
+gather, as the SDPA reference pays; the C++ kernel reading float8 in place is
+future work. Such a backend captures no step graphs (the graph records kernel
+calls, not the torch ops of the dequantising gather).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kv_cache.fp8 import dequantize_kv, gather_blocks, is_fp8, kv_cache_torch_dtype, quantize_kv, write_kv
 from tokenmill.layers import Attention
 from tokenmill.plugin_api import AttentionMetadata, KVCache
 from tokenmill_platform_cpu.kernels import load_kernels
@@ -53,11 +63,13 @@ class CpuPagedAttentionBackend:
     # depends only on the contents of the metadata's tensors and of prepare()'s result.
     supports_step_graphs = True
 
-    def __init__(self, **_: object) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto", **_: object) -> None:
         kernels = load_kernels()
         if kernels is None:
             raise RuntimeError("the CPU paged attention kernel could not be built")
         self._kernels = kernels
+        if is_fp8(kv_cache_torch_dtype(kv_cache_dtype, torch.float32)):
+            self.supports_step_graphs = False
 
     def prepare(self, metadata: AttentionMetadata) -> PagedStepData:
         query_start = metadata.query_start_loc_cpu
@@ -76,8 +88,16 @@ class CpuPagedAttentionBackend:
 
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        active_kernels(self._kernels).write_kv_cache(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         step: PagedStepData = metadata.backend_data
+        kv_cache_fp8 = kv_cache[0].dtype
+        if is_fp8(kv_cache[0].dtype):
+            kv_cache, metadata = self._dequantised_step(layer, key, value, kv_cache, metadata)
+            # A whole prompt attends to its new keys directly: round them as the cache holds them,
+            # so its output does not depend on whether a prefix came from the cache.
+            key = dequantize_kv(quantize_kv(key, layer.k_scale, kv_cache_fp8), layer.k_scale, key.dtype)
+            value = dequantize_kv(quantize_kv(value, layer.v_scale, kv_cache_fp8), layer.v_scale, value.dtype)
+        else:
+            active_kernels(self._kernels).write_kv_cache(key, value, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         if step.kernel_tokens is None:
             return self._paged(layer, query.contiguous(), kv_cache, metadata, step)
         out = torch.empty_like(query)
@@ -92,6 +112,23 @@ class CpuPagedAttentionBackend:
             else:
                 out[rows] = self._sdpa(layer, query[rows], kv_cache, metadata, chunk, step)
         return out
+
+    @staticmethod
+    def _dequantised_step(layer: Attention, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                          metadata: AttentionMetadata) -> tuple[KVCache, AttentionMetadata]:
+        """Write the new tokens into the float8 cache; return a cache in the model's dtype of
+        just the blocks the step's block table names, and the metadata with the block table
+        renumbered into it."""
+        import dataclasses
+
+        shape = (-1, layer.num_kv_heads, layer.head_size)
+        write_kv(kv_cache[0].view(shape), metadata.slot_mapping, key, layer.k_scale)
+        write_kv(kv_cache[1].view(shape), metadata.slot_mapping, value, layer.v_scale)
+        used, renumbered = torch.unique(metadata.block_table, return_inverse=True)
+        dense = (gather_blocks(kv_cache[0], used, layer.k_scale, key.dtype),
+                 gather_blocks(kv_cache[1], used, layer.v_scale, value.dtype))
+        table = renumbered.to(metadata.block_table.dtype)
+        return dense, dataclasses.replace(metadata, block_table=table)
 
     def _paged(self, layer: Attention, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                step: PagedStepData) -> torch.Tensor:
