@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.cpu_binding import rank_core_sets
@@ -19,6 +20,14 @@ from tokenmill.executor.cpu_binding import rank_core_sets
 ])
 def test_cores_are_cut_into_contiguous_slices_one_per_rank(cores, world_size, expected):
     assert rank_core_sets(cores, world_size) == [frozenset(s) for s in expected]
+
+
+@pytest.fixture(autouse=True)
+def _keep_this_process_threads():
+    """The engines below are asked for every core, which their platform sets in this process too."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def _affinity_and_threads(worker: object) -> tuple[list[int], int]:
