@@ -406,3 +406,17 @@ def test_throughput_and_latency_report_draft_acceptance(model_dir: Path, tmp_pat
                                          "--batch-size", "1", "--num-iters-warmup", "0", "--num-iters", "1",
                                          *spec, *ENGINE])
     assert 0 <= r["spec_decode_acceptance_rate"] <= 1
+
+
+def test_latency_and_throughput_report_the_collectives_share_under_tensor_parallelism(
+        model_dir: Path, tmp_path: Path, throughput_result: dict[str, Any]) -> None:
+    assert "comm_ms_per_step" not in throughput_result  # one rank: no collectives to report
+    tp = ["--tensor-parallel-size", "2", *ENGINE]
+    r = bench_json(tmp_path, "latency", ["--model", str(model_dir), "--input-len", "8", "--output-len", "4",
+                                         "--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "2", *tp])
+    t = bench_json(tmp_path, "throughput", ["--model", str(model_dir), "--num-prompts", "4", "--random-input-len",
+                                            "8", "--random-output-len", "4", *tp])
+    for result in (r, t):
+        assert 0 < result["comm_ms_per_step"] < result["step_ms"]
+        assert result["comm_step_fraction"] == pytest.approx(result["comm_ms_per_step"] / result["step_ms"])
+        assert result["comm_calls_per_step"] >= 1 + 2 * 2  # the embedding's, and two per layer of SMALL's 2

@@ -28,12 +28,28 @@ class EngineCounters:
     spec_drafts: int = 0  # speculative decoding: request steps that verified drafts
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
+    comm_seconds: float = 0.0  # rank 0's time in its tensor-parallel collectives (Worker.communication_stats)
+    comm_calls: int = 0
+    step_seconds: float = 0.0  # rank 0's time in its steps (forward and sampling), which contain them
+    steps: int = 0
 
     def since(self, before: EngineCounters) -> EngineCounters:
         return EngineCounters(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
                               self.preemptions - before.preemptions, self.spec_drafts - before.spec_drafts,
                               self.spec_draft_tokens - before.spec_draft_tokens,
-                              self.spec_accepted_tokens - before.spec_accepted_tokens)
+                              self.spec_accepted_tokens - before.spec_accepted_tokens,
+                              self.comm_seconds - before.comm_seconds, self.comm_calls - before.comm_calls,
+                              self.step_seconds - before.step_seconds, self.steps - before.steps)
+
+    def communication_json(self) -> dict[str, float]:
+        """Per step over a run, under tensor parallelism: the collectives' milliseconds, their
+        count, and their share of the step (empty where no collective ran: one rank)."""
+        if not self.comm_calls or not self.steps:
+            return {}
+        return {"comm_ms_per_step": 1000.0 * self.comm_seconds / self.steps,
+                "comm_calls_per_step": self.comm_calls / self.steps,
+                "step_ms": 1000.0 * self.step_seconds / self.steps,
+                "comm_step_fraction": self.comm_seconds / self.step_seconds if self.step_seconds > 0 else 0.0}
 
     def spec_decode_json(self, engine_kwargs: dict[str, Any]) -> dict[str, float]:
         """Acceptance over a run, for a result's JSON (empty without a speculative_config)."""
@@ -47,6 +63,15 @@ class EngineCounters:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+# the report rows of EngineCounters.communication_json (label, key, format; absent keys are skipped)
+COMMUNICATION_ROWS: list[tuple[str, str, str]] = [
+    ("TP collectives per step (ms, rank 0)", "comm_ms_per_step", ".3f"),
+    ("TP collectives per step (calls)", "comm_calls_per_step", ".1f"),
+    ("Step on rank 0 (ms)", "step_ms", ".3f"),
+    ("Collectives' share of the step", "comm_step_fraction", ".1%"),
+]
 
 
 class Backend(Protocol):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill_cli.bench.backends import Backend, canonical_backend, create_backend
+from tokenmill_cli.bench.backends import COMMUNICATION_ROWS, Backend, canonical_backend, create_backend
 from tokenmill_cli.bench.background_load import background_load
 from tokenmill_cli.bench.contention import CONTENTION_ROWS, contention_json, result_figures
 from tokenmill_cli.bench.datasets import BenchRequest, Vocabulary
@@ -85,7 +85,8 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], opts: LatencyO
     first_token = (warmups or iterations)[0].first_token
     result = _result(backend, backend_name, model, opts, iterations, engine_kwargs,
                      startup_seconds(first_token, process_start))
-    return {**result, **backend.counters().since(before).spec_decode_json(engine_kwargs), **cpu_json(),
+    counters = backend.counters().since(before)
+    return {**result, **counters.spec_decode_json(engine_kwargs), **counters.communication_json(), **cpu_json(),
             **contention_json(opts.background_load, opts.background_kind, result_figures(result), quiet)}
 
 
@@ -162,6 +163,7 @@ LATENCY_ROWS: list[Row] = [
     ("Output token throughput (tok/s)", "output_throughput", ".1f"),
     ("Draft acceptance rate", "spec_decode_acceptance_rate", ".1%"),
     ("Mean accepted length", "spec_decode_mean_accepted_length", ".2f"),
+    *COMMUNICATION_ROWS,
     ("Weight bytes read per step (MiB)", "weight_mib_per_step", ".1f"),
     ("Achieved bandwidth (GB/s)", "achieved_gbps", ".2f"),
     ("Read ceiling, same bytes (GB/s)", "read_ceiling_gbps", ".2f"),

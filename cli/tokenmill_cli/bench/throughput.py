@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill_cli.bench.backends import canonical_backend, create_backend
+from tokenmill_cli.bench.backends import COMMUNICATION_ROWS, canonical_backend, create_backend
 from tokenmill_cli.bench.background_load import background_load
 from tokenmill_cli.bench.contention import CONTENTION_ROWS, contention_json, result_figures
 from tokenmill_cli.bench.datasets import (
@@ -114,6 +114,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "num_preemptions": counters.preemptions,
         **counters.spec_decode_json(engine_kwargs),
         **expert_load,
+        **counters.communication_json(),
         **memory,
         "startup_s": startup_s,
         "engine_args": engine_kwargs,
@@ -185,6 +186,7 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Draft acceptance rate", "spec_decode_acceptance_rate", ".1%"),
     ("Mean accepted length", "spec_decode_mean_accepted_length", ".2f"),
     *EXPERT_LOAD_ROWS,
+    *COMMUNICATION_ROWS,
     ("Time in stat logging", "stat_logging_fraction", ".2%"),
     ("Achieved GFLOP/s (useful)", "achieved_gflops", ".2f"),
     ("Peak GFLOP/s", "peak_gflops", ".1f"),

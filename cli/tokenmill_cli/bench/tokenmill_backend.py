@@ -94,9 +94,11 @@ class TokenmillBackend:
 
     def counters(self) -> EngineCounters:
         stats = self.llm.engine.scheduler_stats
+        comm = self.llm.engine.core.executor.collective_rpc("communication_stats")[0]  # rank 0's
         return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
                               stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
-                              stats.spec_decode_num_accepted_tokens)
+                              stats.spec_decode_num_accepted_tokens, comm["comm_seconds"], int(comm["comm_calls"]),
+                              comm["step_seconds"], int(comm["steps"]))
 
 
 def _count_weights(worker: Any) -> WeightCounts:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.executor.cpu_binding import bind_to_cores, plan_binding
 from tokenmill.executor.remote_ranks import RemoteRanksExecutor
 from tokenmill.executor.remote_ranks import WorkerFailure as WorkerFailure  # where callers first found it
 from tokenmill.platform import Platform, platform_device_count
@@ -59,6 +60,9 @@ class MultiprocExecutor(RemoteRanksExecutor):
                              f"{getattr(platform, 'name', 'platform')} platform has {devices}")
         backend = platform.dist_backend if platform is not None else "gloo"
         threads = rank_threads(spec, world_size)
+        cores: list[frozenset[int] | None] = [None] * world_size
+        if getattr(platform, "device_type", "cpu") == "cpu":  # each rank on its own cores (executor.cpu_binding)
+            cores, threads = plan_binding(world_size, threads)
         config = spec.config.model_copy(update={"num_threads": threads})
         port = free_port()
         context = multiprocessing.get_context("spawn")
@@ -68,7 +72,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
             rank_spec = WorkerSpec(spec.model_path, config, spec.dtype, spec.max_model_len, spec.plugins,
                                    world_size=world_size).for_rank(rank)
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=run_worker, args=(rank_spec, backend, port, child_end),
+            process = context.Process(target=run_worker, args=(rank_spec, backend, port, child_end, cores[rank]),
                                       name=f"tokenmill-worker-{rank}", daemon=True)
             process.start()
             child_end.close()
@@ -76,7 +80,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
             self.pipes.append(parent_end)
         self._finalizer = weakref.finalize(self, stop_processes, list(self.processes), list(self.pipes))
         self._start_collecting("tokenmill-mp-collect")
-        logger.info("mp executor: %d ranks over %s, %d threads each", world_size, backend, threads)
+        logger.info("mp executor: %d ranks over %s, %d threads each, cores %s", world_size, backend, threads,
+                    [sorted(c) if c is not None else "unpinned" for c in cores])
         try:
             self._gather()  # every rank reports once its model is built
         except BaseException:
@@ -175,8 +180,10 @@ def stop_processes(processes: list[BaseProcess], pipes: list[Connection]) -> Non
         pipe.close()
 
 
-def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection) -> None:
-    """A worker process: join the group, build the worker, answer calls until told to stop."""
+def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection,
+               cores: frozenset[int] | None = None) -> None:
+    """A worker process: pin it to its ``cores`` (None: unpinned), join the group, build the
+    worker (its platform sets the thread count then), answer calls until told to stop."""
     import os
 
     import torch.distributed as dist
@@ -186,6 +193,7 @@ def run_worker(spec: WorkerSpec, backend: str, port: int, pipe: Connection) -> N
     # torchrun's convention: what a platform with a device per rank picks its device by
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size))
     try:
+        bind_to_cores(cores)  # before any thread pool starts: they inherit the affinity
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=spec.rank,
                                 world_size=spec.world_size)
         worker = Worker(spec)

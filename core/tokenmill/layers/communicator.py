@@ -4,14 +4,31 @@ A :class:`Communicator` wraps a ``torch.distributed`` process group (gloo on the
 CPU, NCCL on CUDA: the platform's ``dist_backend``). With ``world_size == 1`` every
 call returns its input unchanged and touches no process group, so a model built for
 one rank runs exactly as it did before tensor parallelism existed.
+
+Each communicator counts the wall time its collectives take (:class:`CommunicationTime`):
+what the step spends in all-reduce and all-gather, waiting for the slowest rank included,
+which ``Worker.communication_stats`` reports. On a platform whose collectives are
+asynchronous (NCCL) the time is that of the calls' launches only.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommunicationTime:
+    """Cumulative wall time in one communicator's collectives, and how many ran."""
+
+    seconds: float = 0.0
+    calls: int = 0
 
 
 class Communicator:
@@ -22,11 +39,22 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.time = CommunicationTime()  # the collectives' (not send/recv's: stages wait there)
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.time.seconds += time.perf_counter() - start
+            self.time.calls += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (in place; returned for chaining)."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            with self._timed():
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -34,7 +62,8 @@ class Communicator:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        with self._timed():
+            dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor:
@@ -44,13 +73,15 @@ class Communicator:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(x, parts, dst=self._global(dst), group=self.group)
+        with self._timed():
+            dist.gather(x, parts, dst=self._global(dst), group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else x
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank (in place: the others' ``x`` is overwritten)."""
         if self.world_size > 1:
-            dist.broadcast(x, self._global(src), group=self.group)
+            with self._timed():
+                dist.broadcast(x, self._global(src), group=self.group)
         return x
 
     def send(self, x: torch.Tensor, dst: int) -> None:

@@ -9,6 +9,7 @@ methods are what an executor may call by name on every worker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -69,6 +70,9 @@ class Worker:
         if checkpoint is None:
             checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
         groups = parallel_groups(spec)
+        self.comm = groups.tensor
+        self.step_seconds = 0.0  # wall time in execute_model and sample_tokens, for communication_stats
+        self.steps = 0
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
                                           progress=progress and spec.rank == 0, samples=spec.samples,
                                           comm=groups.tensor, stage=groups.stage)
@@ -105,11 +109,26 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """The step's forward; its output comes from :meth:`sample_tokens`."""
+        start = time.perf_counter()
         self.runner.execute_model(scheduler_output)
+        self.step_seconds += time.perf_counter() - start
+        self.steps += 1
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         """The last forward's output (empty on a rank other than 0: only rank 0 samples)."""
-        return self.runner.sample_tokens(grammar)
+        start = time.perf_counter()
+        try:
+            return self.runner.sample_tokens(grammar)
+        finally:
+            self.step_seconds += time.perf_counter() - start
+
+    def communication_stats(self) -> dict[str, float]:
+        """Cumulative since start-up: seconds this rank spent in its tensor-parallel group's
+        collectives (all-reduce, all-gather, gather, broadcast) and how many ran, and the
+        seconds and count of its steps (forward and sampling), which contain them. A caller
+        takes differences across a run; with one rank there are no collectives (zeros)."""
+        return {"comm_seconds": self.comm.time.seconds, "comm_calls": float(self.comm.time.calls),
+                "step_seconds": self.step_seconds, "steps": float(self.steps)}
 
     def lora_targets(self) -> Any:
         """The layers LoRA adapters may target and their shapes (a ``LoRATargetTable``; None without LoRA)."""
