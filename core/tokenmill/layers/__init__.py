@@ -16,6 +16,7 @@ from tokenmill.layers.linear import (
     load_weight,
 )
 from tokenmill.layers.lm_head import ParallelLMHead
+from tokenmill.layers.merged_loading import QKV_GATE_UP_SHARDS, load_into_merged
 from tokenmill.layers.moe import (
     ExpertShardLoader,
     FusedMoE,
@@ -91,6 +92,8 @@ __all__ = [
     "load_imbalance",
     "left_out_prefixes",
     "load_weight",
+    "load_into_merged",
+    "QKV_GATE_UP_SHARDS",
     "make_layers",
     "on_stage",
     "quantize_experts",

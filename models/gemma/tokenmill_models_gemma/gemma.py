@@ -32,18 +32,10 @@ from tokenmill.layers import (
     RMSNorm,
     VocabEmbedding,
     get_rotary_embedding,
-    load_weight,
+    load_into_merged,
 )
 from tokenmill.plugin_api import AttentionMetadata
 
-# checkpoint projection name -> (merged parameter, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 SLIDING = "sliding_attention"
 
 
@@ -218,16 +210,7 @@ class Gemma2ForCausalLM(nn.Module):
         for name, tensor in weights:
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue
-            module_path, _, leaf = name.rpartition(".")
-            owner, _, proj = module_path.rpartition(".")
-            shard: int | None = None
-            if proj in _STACKED:
-                merged, shard = _STACKED[proj]
-                name = f"{owner}.{merged}.{leaf}"
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            load_weight(params[name], tensor, shard)
-            loaded.add(name)
+            loaded.add(load_into_merged(params, name, tensor, model_name=type(self).__name__))
         return loaded
 
 

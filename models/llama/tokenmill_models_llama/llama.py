@@ -36,20 +36,12 @@ from tokenmill.layers import (
     get_rotary_embedding,
     layer_ops,
     left_out_prefixes,
-    load_weight,
+    load_into_merged,
     make_layers,
     on_stage,
 )
 from tokenmill.plugin_api import AttentionMetadata
 
-# checkpoint projection name -> (merged parameter, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -242,16 +234,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "lm_head.weight"
             if name.startswith(other_stages):
                 continue
-            module_path, _, leaf = name.rpartition(".")
-            owner, _, proj = module_path.rpartition(".")
-            shard: int | None = None
-            if proj in _STACKED:
-                merged, shard = _STACKED[proj]
-                name = f"{owner}.{merged}.{leaf}"
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            load_weight(params[name], tensor, shard)
-            loaded.add(name)
+            loaded.add(load_into_merged(params, name, tensor, model_name=type(self).__name__))
         return loaded
 
 

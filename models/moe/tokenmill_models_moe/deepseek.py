@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from tokenmill.layers import MoERouting
@@ -44,7 +45,7 @@ def deepseek_sparse_layers(config: Any) -> frozenset[int]:
 class DeepseekForCausalLM(MoEForCausalLM):
     """What V2 and V3 share; a subclass gives :meth:`routing` and its rotary layout."""
 
-    stacked_params: ClassVar[dict[str, tuple[str, int]]] = _DEEPSEEK_STACKED
+    stacked_params: ClassVar[Mapping[str, tuple[str, int]]] = _DEEPSEEK_STACKED
 
     @classmethod
     def routing(cls, config: Any) -> MoERouting:

@@ -12,32 +12,24 @@ saying how its config describes the experts (:meth:`MoEForCausalLM.moe_shape`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from tokenmill.layers import (
+    QKV_GATE_UP_SHARDS,
     FusedMoE,
     ModelBuildContext,
     MoERouting,
     ParallelLMHead,
     UnquantizedLinearMethod,
     check_experts_loaded,
-    load_weight,
+    load_into_merged,
 )
 from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_moe.decoder import AttentionFactory, MoEAttention, MoEModel, MoEShape
-
-# checkpoint projection name -> (merged parameter, shard index)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 class MoEForCausalLM(nn.Module):
@@ -47,7 +39,7 @@ class MoEForCausalLM(nn.Module):
 
     qk_norm: ClassVar[bool] = False
     # checkpoint projection name -> (merged parameter, shard index)
-    stacked_params: ClassVar[dict[str, tuple[str, int]]] = _STACKED
+    stacked_params: ClassVar[Mapping[str, tuple[str, int]]] = QKV_GATE_UP_SHARDS
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -107,16 +99,7 @@ class MoEForCausalLM(nn.Module):
                 param_name = moe_layers[f"{owner}.experts"].load_checkpoint_tensor(rest, tensor)
                 loaded.add(f"{owner}.experts.{param_name}")
                 continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            shard: int | None = None
-            if proj in self.stacked_params:
-                merged, shard = self.stacked_params[proj]
-                name = f"{parent}.{merged}.{leaf}"
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            load_weight(params[name], tensor, shard)
-            loaded.add(name)
+            loaded.add(load_into_merged(params, name, tensor, self.stacked_params, type(self).__name__))
         check_experts_loaded(self)
         return loaded
 
