@@ -45,6 +45,7 @@ from tokenmill.layers.packed_int import (
 from tokenmill.layers.pipeline import PipelineStage, left_out_prefixes, make_layers, on_stage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
+from tokenmill.layers.self_attention import RotarySelfAttention, attention_head_size, sliding_window_of_layer
 
 __all__ = [
     # packed int weights (tokenmill.layers.packed_int)
@@ -88,6 +89,9 @@ __all__ = [
     "default_weight_loader",
     "expert_load_by_layer",
     "get_rotary_embedding",
+    "RotarySelfAttention",
+    "attention_head_size",
+    "sliding_window_of_layer",
     "layer_ops",
     "load_imbalance",
     "left_out_prefixes",

@@ -25,14 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import (
-    Attention,
     Linear,
     MergedLinear,
     ModelBuildContext,
     ParallelLMHead,
     RMSNorm,
+    RotarySelfAttention,
     UnquantizedLinearMethod,
     VocabEmbedding,
+    attention_head_size,
     get_rotary_embedding,
     layer_ops,
     left_out_prefixes,
@@ -45,55 +46,8 @@ from tokenmill.plugin_api import AttentionMetadata
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def _head_size(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _sliding_window(config: Any, layer_index: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:  # transformers 5 says per layer whether it slides
-        return window if layer_types[layer_index] == "sliding_attention" else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
-        super().__init__()
-        total_heads = config.num_attention_heads
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        tp = ctx.world_size
-        # Each rank takes num_heads / tp query heads and their K/V heads: a split of the K/V
-        # heads, or, with fewer K/V heads than ranks, one K/V head replicated on tp / kv ranks.
-        kv_parts = min(total_kv_heads, tp)
-        self.num_heads = total_heads // tp
-        self.num_kv_heads = total_kv_heads // kv_parts
-        self.head_size = _head_size(config)
-        q_size, kv_size = total_heads * self.head_size, total_kv_heads * self.head_size
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                                     ctx=ctx.child("qkv_proj"), parallel="column", shard_parts=[tp, kv_parts, kv_parts])
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"), parallel="row")
-        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = get_rotary_embedding(ctx, self.head_size, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5,
-                              _sliding_window(config, layer_index), layer_index)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(tokens, self.num_heads, self.head_size)
-        k = k.view(tokens, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
-        return self.o_proj(out)
+class LlamaAttention(RotarySelfAttention):
+    """Llama's attention: the shared rotary GQA block (q/k/v biases for Qwen2, q/k norms for Qwen3)."""
 
 
 class LlamaMLP(nn.Module):
@@ -262,7 +216,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"Phi-3 with partial_rotary_factor={partial} is not supported (only 1.0)")
         super().__init__(config, ctx=ctx)
         # the layers' shared table: it says which of its rows each token rotates by
-        self.rotary = get_rotary_embedding(ctx, _head_size(config), config.max_position_embeddings)
+        self.rotary = get_rotary_embedding(ctx, attention_head_size(config), config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,7 +228,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, fused ones as the separate projections Llama loads."""
         config = self.config
-        head = _head_size(config)
+        head = attention_head_size(config)
         q_size = config.num_attention_heads * head
         kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head
         for name, tensor in weights:

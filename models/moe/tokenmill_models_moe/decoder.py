@@ -22,16 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import (
-    Attention,
     FusedMoE,
     Linear,
     MergedLinear,
     ModelBuildContext,
     MoERouting,
     RMSNorm,
+    RotarySelfAttention,
     UnquantizedLinearMethod,
     VocabEmbedding,
-    get_rotary_embedding,
     layer_ops,
 )
 from tokenmill.plugin_api import AttentionMetadata
@@ -56,51 +55,13 @@ class MoEShape:
 AttentionFactory = Callable[[Any, int, ModelBuildContext], nn.Module]
 
 
-def _sliding_window(config: Any, layer_index: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_index] == "sliding_attention" else None
-    return None if getattr(config, "use_sliding_window", True) is False else window
-
-
 def _check_silu(config: Any) -> None:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported MoE activation: hidden_act={config.hidden_act!r} (supported: 'silu')")
 
 
-class MoEAttention(nn.Module):
-    def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
-        super().__init__()
-        total_heads = config.num_attention_heads
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        tp = ctx.world_size
-        kv_parts = min(total_kv_heads, tp)  # fewer K/V heads than ranks: each is replicated
-        self.num_heads = total_heads // tp
-        self.num_kv_heads = total_kv_heads // kv_parts
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        q_size, kv_size = total_heads * self.head_size, total_kv_heads * self.head_size
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                                     ctx=ctx.child("qkv_proj"), parallel="column", shard_parts=[tp, kv_parts, kv_parts])
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, ctx=ctx.child("o_proj"), parallel="row")
-        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = get_rotary_embedding(ctx, self.head_size, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5,
-                              _sliding_window(config, layer_index), layer_index)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(tokens, self.num_heads, self.head_size)
-        k = k.view(tokens, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata))
+# The Llama-layout attention most MoE models share (Mixtral, Qwen2-MoE, Qwen3-MoE).
+MoEAttention = RotarySelfAttention
 
 
 class DenseMLP(nn.Module):
