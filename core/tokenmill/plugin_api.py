@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
     from tokenmill.config import EngineConfig, parse_size
     from tokenmill.executor import Executor, UniProcExecutor
+    from tokenmill.kv_cache.fp8 import (
+        dequantize_kv,
+        gather_blocks,
+        is_fp8,
+        kv_cache_torch_dtype,
+        quantize_kv,
+        write_kv,
+    )
     from tokenmill.kv_transfer import (
         KVConnectorContext,
         KVConnectorOutput,
@@ -119,6 +127,8 @@ _LAZY = {
     **dict.fromkeys(["KVConnectorContext", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
                      "KVTransferConfig", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
     "Request": "tokenmill.request",
+    **dict.fromkeys(["dequantize_kv", "gather_blocks", "is_fp8", "kv_cache_torch_dtype", "quantize_kv", "write_kv"],
+                    "tokenmill.kv_cache.fp8"),
 }
 
 
@@ -219,4 +229,11 @@ __all__ = [
     # the process's plugin registry (to look up what other plugins registered)
     "PluginManager",
     "get_plugin_manager",
+    # an fp8 KV cache: the rounding reference a backend stores and reads its blocks with
+    "dequantize_kv",
+    "gather_blocks",
+    "is_fp8",
+    "kv_cache_torch_dtype",
+    "quantize_kv",
+    "write_kv",
 ]

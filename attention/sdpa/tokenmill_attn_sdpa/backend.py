@@ -21,9 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv_cache.fp8 import gather_blocks, write_kv
 from tokenmill.layers import Attention
-from tokenmill.plugin_api import AttentionMetadata, KVCache
+from tokenmill.plugin_api import AttentionMetadata, KVCache, gather_blocks, write_kv
 
 
 @dataclass

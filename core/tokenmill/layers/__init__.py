@@ -26,7 +26,7 @@ from tokenmill.layers.moe import (
     expert_load_by_layer,
     load_imbalance,
 )
-from tokenmill.layers.moe_quantization import OnlineQuantizedMoEMethod, quantize_experts
+from tokenmill.layers.moe_quantization import EXPERT_WEIGHTS, OnlineQuantizedMoEMethod, quantize_experts
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.online_quantization import add_float_weight, quantize_loaded_weight
@@ -93,6 +93,7 @@ __all__ = [
     "attention_head_size",
     "sliding_window_of_layer",
     "layer_ops",
+    "EXPERT_WEIGHTS",
     "load_imbalance",
     "left_out_prefixes",
     "load_weight",

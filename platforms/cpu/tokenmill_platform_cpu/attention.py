@@ -27,9 +27,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kv_cache.fp8 import dequantize_kv, gather_blocks, is_fp8, kv_cache_torch_dtype, quantize_kv, write_kv
 from tokenmill.layers import Attention
-from tokenmill.plugin_api import AttentionMetadata, KVCache
+from tokenmill.plugin_api import (
+    AttentionMetadata,
+    KVCache,
+    dequantize_kv,
+    gather_blocks,
+    is_fp8,
+    kv_cache_torch_dtype,
+    quantize_kv,
+    write_kv,
+)
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.step_graph import active_kernels
 

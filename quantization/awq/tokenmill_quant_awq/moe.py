@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from tokenmill.layers import dequantize_grouped, unpack_columns
-from tokenmill.layers.ops import layer_ops
+from tokenmill.layers import dequantize_grouped, layer_ops, unpack_columns
 from tokenmill_quant_awq.method import BITS, PER_WORD, awq_to_natural
 
 if TYPE_CHECKING:

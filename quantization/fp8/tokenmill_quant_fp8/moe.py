@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tokenmill.layers import OnlineQuantizedMoEMethod
-from tokenmill.layers.moe_quantization import EXPERT_WEIGHTS
+from tokenmill.layers import EXPERT_WEIGHTS, OnlineQuantizedMoEMethod
 from tokenmill_quant_fp8.kernels import (
     choose_fp8_gemm,
     fp8_linear_reference,

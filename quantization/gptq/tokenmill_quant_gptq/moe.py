@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from tokenmill.layers.ops import layer_ops
+from tokenmill.layers import layer_ops
 from tokenmill_quant_gptq.kernels import gptq_dequantize, unpack_columns, values_per_word
 from tokenmill_quant_gptq.method import GptqScheme, choose_packed_int_kernel
 
