@@ -26,7 +26,14 @@ from tokenmill.layers.moe import (
     expert_load_by_layer,
     load_imbalance,
 )
-from tokenmill.layers.moe_quantization import EXPERT_WEIGHTS, OnlineQuantizedMoEMethod, quantize_experts
+from tokenmill.layers.moe_quantization import (
+    EXPERT_WEIGHTS,
+    OnlineQuantizedMoEMethod,
+    apply_experts_one_by_one,
+    expert_tensor_name,
+    missing_expert_tensors,
+    quantize_experts,
+)
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.online_quantization import add_float_weight, quantize_loaded_weight
@@ -94,6 +101,9 @@ __all__ = [
     "sliding_window_of_layer",
     "layer_ops",
     "EXPERT_WEIGHTS",
+    "apply_experts_one_by_one",
+    "expert_tensor_name",
+    "missing_expert_tensors",
     "load_imbalance",
     "left_out_prefixes",
     "load_weight",

@@ -55,16 +55,50 @@ class OnlineQuantizedMoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
-        s13, s2 = cast(torch.Tensor, layer.gate_up_proj_scale), cast(torch.Tensor, layer.down_proj_scale)
-        ops = layer_ops(x.device)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(topk_ids).tolist():
-            tokens, slot = torch.where(topk_ids == expert)
-            hidden = ops.silu_and_mul(self.matmul(x[tokens], w13[expert], s13[expert]))
-            hidden = self.matmul(hidden, w2[expert], s2[expert]) * topk_weights[tokens, slot, None]
-            out.index_add_(0, tokens, hidden.to(out.dtype))
-        return out
+        def expert_matmul(stack: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+            weight, scale = cast(torch.Tensor, getattr(layer, stack)), cast(torch.Tensor, getattr(layer, f"{stack}_scale"))
+            return self.matmul(rows, weight[expert], scale[expert])
+
+        return apply_experts_one_by_one(x, topk_weights, topk_ids, expert_matmul)
+
+
+# (stack: "gate_up_proj" | "down_proj", expert index, activations [M, K]) -> [M, N] in their dtype
+ExpertMatmul = Callable[[str, int, torch.Tensor], torch.Tensor]
+
+
+def apply_experts_one_by_one(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                             expert_matmul: ExpertMatmul) -> torch.Tensor:
+    """The SiLU-gated experts run one at a time over the tokens routed to each (only the experts
+    that got tokens), each output weighted by its routing weight and summed per token: the loop a
+    quantized expert method runs until it has a grouped kernel, given its per-expert matmul."""
+    ops = layer_ops(x.device)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids).tolist():
+        tokens, slot = torch.where(topk_ids == expert)
+        hidden = ops.silu_and_mul(expert_matmul("gate_up_proj", expert, x[tokens]))
+        hidden = expert_matmul("down_proj", expert, hidden) * topk_weights[tokens, slot, None]
+        out.index_add_(0, tokens, hidden.to(out.dtype))
+    return out
+
+
+def expert_tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
+    """The checkpoint name of one expert's ``leaf`` tensor (``<prefix>.<expert>.<w1|gate_proj...>.<leaf>``),
+    or, without an expert, the stacked parameter's (``<prefix>.<stack>_<leaf>``): what errors name."""
+    if expert_id is None:
+        return f"{layer.prefix}.{stack}_{leaf}"
+    projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
+    return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+
+
+def missing_expert_tensors(layer: FusedMoE, loaded: set[tuple[int, str, int | None, str]],
+                           leaves: tuple[str, ...]) -> list[str]:
+    """The checkpoint names of each expert's ``leaves`` that are not in ``loaded`` (keyed
+    ``(expert, stack, shard, leaf)``: gate and up are shards 0 and 1 of ``gate_up_proj``)."""
+    return [expert_tensor_name(layer, stack, shard, expert, leaf)
+            for expert in range(layer.num_experts)
+            for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
+            for shard in shards for leaf in leaves
+            if (expert, stack, shard, leaf) not in loaded]
 
 
 def quantize_experts(weight: torch.Tensor, quantize: ExpertQuantizer) -> tuple[torch.Tensor, torch.Tensor]:

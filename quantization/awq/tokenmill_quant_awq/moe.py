@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from tokenmill.layers import dequantize_grouped, layer_ops, unpack_columns
+from tokenmill.layers import (
+    apply_experts_one_by_one,
+    dequantize_grouped,
+    expert_tensor_name,
+    missing_expert_tensors,
+    unpack_columns,
+)
 from tokenmill_quant_awq.method import BITS, PER_WORD, awq_to_natural
 
 if TYPE_CHECKING:
@@ -77,20 +83,11 @@ class AwqFusedMoEMethod:
         target.copy_(loaded.float() if leaf == "scales" else awq_to_natural(loaded))
         self.loaded.add((expert_id, stack, shard_id, leaf))
 
-    @staticmethod
-    def tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
-        if expert_id is None:
-            return f"{layer.prefix}.{stack}_{leaf}"
-        projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
-        return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+    tensor_name = staticmethod(expert_tensor_name)
 
     def missing_checkpoint_tensors(self, layer: FusedMoE) -> list[str]:
         """Each expert's ``qweight`` / ``qzeros`` / ``scales`` that never came."""
-        return [self.tensor_name(layer, stack, shard, expert, leaf)
-                for expert in range(layer.num_experts)
-                for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
-                for shard in shards for leaf in LEAVES
-                if (expert, stack, shard, leaf) not in self.loaded]
+        return missing_expert_tensors(layer, self.loaded, LEAVES)
 
     def expert_weight(self, layer: FusedMoE, stack: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``expert``'s ``stack`` weight, dequantised ``[K, N]``."""
@@ -100,11 +97,6 @@ class AwqFusedMoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        ops = layer_ops(x.device)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(topk_ids).tolist():
-            tokens, slot = torch.where(topk_ids == expert)
-            hidden = ops.silu_and_mul(x[tokens] @ self.expert_weight(layer, "gate_up_proj", expert, x.dtype))
-            hidden = hidden @ self.expert_weight(layer, "down_proj", expert, x.dtype)
-            out.index_add_(0, tokens, (hidden * topk_weights[tokens, slot, None]).to(out.dtype))
-        return out
+        return apply_experts_one_by_one(
+            x, topk_weights, topk_ids,
+            lambda stack, expert, rows: rows @ self.expert_weight(layer, stack, expert, rows.dtype))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from tokenmill.layers import layer_ops
+from tokenmill.layers import apply_experts_one_by_one, expert_tensor_name, missing_expert_tensors
 from tokenmill_quant_gptq.kernels import gptq_dequantize, unpack_columns, values_per_word
 from tokenmill_quant_gptq.method import GptqScheme, choose_packed_int_kernel
 
@@ -105,20 +105,11 @@ class GptqFusedMoEMethod:
         target.copy_(loaded)
         self.loaded.add((expert_id, stack, shard_id, "g_idx"))
 
-    @staticmethod
-    def tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
-        if expert_id is None:
-            return f"{layer.prefix}.{stack}_{leaf}"
-        projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
-        return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+    tensor_name = staticmethod(expert_tensor_name)
 
     def missing_checkpoint_tensors(self, layer: FusedMoE) -> list[str]:
         """Each expert's ``qweight`` / ``qzeros`` / ``scales`` that never came."""
-        return [self.tensor_name(layer, stack, shard, expert, leaf)
-                for expert in range(layer.num_experts)
-                for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
-                for shard in shards for leaf in REQUIRED_LEAVES
-                if (expert, stack, shard, leaf) not in self.loaded]
+        return missing_expert_tensors(layer, self.loaded, REQUIRED_LEAVES)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         for stack in STACKS:
@@ -144,11 +135,4 @@ class GptqFusedMoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        ops = layer_ops(x.device)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(topk_ids).tolist():
-            tokens, slot = torch.where(topk_ids == expert)
-            hidden = ops.silu_and_mul(self.expert_matmul(layer, "gate_up_proj", expert, x[tokens]))
-            hidden = self.expert_matmul(layer, "down_proj", expert, hidden) * topk_weights[tokens, slot, None]
-            out.index_add_(0, tokens, hidden.to(out.dtype))
-        return out
+        return apply_experts_one_by_one(x, topk_weights, topk_ids, functools.partial(self.expert_matmul, layer))
