@@ -35,7 +35,9 @@ class DraftRequest:
 class TargetHiddenStates:
     """The target's final hidden states (the lm_head's input) of one request's positions
     ``start .. start + len(hidden) - 1`` that a step computed and that hold: prompt tokens and
-    the tokens the target accepted, never a rejected draft's. A view valid during the call."""
+    the tokens the target accepted, never a rejected draft's. A view valid during the call.
+    For a proposer that names ``target_layer_ids`` (EAGLE-3), ``hidden`` holds those layers'
+    states instead, concatenated in its order: ``[n, len(target_layer_ids) * hidden_size]``."""
 
     req_id: str
     start: int
@@ -65,7 +67,12 @@ class Proposer(Protocol):
     A proposer whose class sets ``uses_target_hidden_states = True`` (EAGLE) also has an
     ``observe(states: list[TargetHiddenStates])`` method, called after every step's
     sampling and before ``propose``, with the hidden states of every scheduled request
-    (prefill chunks that do not sample included)."""
+    (prefill chunks that do not sample included). One that also sets ``target_layer_ids``
+    (a tuple of layer ids, an instance attribute set by the time it is built) gets the
+    hidden states of those target layers instead of the final ones: the runner asks the
+    target model for them (``AuxHiddenStatesCausalLM.set_aux_hidden_state_layers``; layer
+    ``i`` is the residual stream entering decoder layer ``i``), and a target that cannot
+    record them fails the start."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Draft tokens per request, in order (an empty list: no guess)."""

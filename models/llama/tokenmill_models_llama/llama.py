@@ -17,7 +17,7 @@ model's build context, so each linear layer knows its checkpoint prefix
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -103,6 +103,10 @@ class LlamaModel(nn.Module):
                                   lambda i: LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags))
         self.stage_layers = stage.layer_range(config.num_hidden_layers)
         self.norm = on_stage(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.num_layers = config.num_hidden_layers
+        # EAGLE-3's intermediate hidden states (set_aux_hidden_state_layers): empty, nothing recorded
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,8 +119,15 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = self.stage.receive(2, (input_ids.shape[0], self.hidden_size), self.dtype,
                                                   input_ids.device)
+        recorded: dict[int, torch.Tensor] = {}
         for i in self.stage_layers:
+            if self.aux_layer_ids and i in self.aux_layer_ids:  # a copy: the layers add into the residual in place
+                recorded[i] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = self.layers[i](positions, hidden, residual, metadata)
+        if self.aux_layer_ids:
+            if self.num_layers in self.aux_layer_ids:  # the last layer's output, before the final norm
+                recorded[self.num_layers] = hidden if residual is None else hidden + residual
+            self.aux_hidden = torch.cat([recorded[i] for i in self.aux_layer_ids], dim=-1)
         if not self.stage.is_last:
             assert residual is not None  # every stage holds a layer
             self.stage.send(hidden, residual)
@@ -173,6 +184,25 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """Record, in every forward, the residual stream entering each of these layers (0: the
+        embeddings; ``num_hidden_layers``: the last layer's output before the norm), for EAGLE-3
+        (``tokenmill.worker.model_interface.AuxHiddenStatesCausalLM``)."""
+        num_layers = self.model.num_layers
+        wrong = [i for i in layer_ids if not 0 <= i <= num_layers]
+        if wrong:
+            raise ValueError(f"{type(self).__name__} has {num_layers} layers: no hidden states of layers {wrong} "
+                             f"(ids 0..{num_layers})")
+        stage = self.model.stage
+        if layer_ids and not (stage.is_first and stage.is_last):
+            raise ValueError("intermediate hidden states are not recorded under pipeline parallelism")
+        self.model.aux_layer_ids = tuple(int(i) for i in layer_ids)
+
+    def take_aux_hidden_states(self) -> torch.Tensor | None:
+        """The last forward's recorded states ``[T, len(layer_ids) * hidden]``, once."""
+        recorded, self.model.aux_hidden = self.model.aux_hidden, None
+        return recorded
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names) through each parameter's weight
