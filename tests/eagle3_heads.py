@@ -178,7 +178,7 @@ def _eagle3_layer(w: dict[str, torch.Tensor], config: dict, embeds: torch.Tensor
     return residual + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
 
 
-def _target_layer_states(target: Path, context: list[int], layer_ids: list[int]) -> tuple[torch.Tensor, Any]:
+def target_layer_states(target: Path, context: list[int], layer_ids: list[int]) -> tuple[torch.Tensor, Any]:
     """transformers' residual stream entering each of ``layer_ids`` (id ``L``: the final
     norm's input), concatenated, at every position of ``context``; and the target's embedding."""
     from transformers import AutoModelForCausalLM
@@ -203,7 +203,7 @@ def reference_eagle3_drafts(target: Path, head: Path, context: list[int], k: int
     by ``d2t``, the next position reading its embedding and ``out[-1]``."""
     config = json.loads((head / "config.json").read_text())
     w = load_file(str(head / "model.safetensors"))
-    states, embed = _target_layer_states(target, context, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    states, embed = target_layer_states(target, context, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     with torch.no_grad():
         ids = torch.tensor(context)
         hidden = states[:-1] @ w["fc.weight"].T

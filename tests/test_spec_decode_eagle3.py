@@ -3,17 +3,27 @@ layout: greedy output token-identical to no speculation and to transformers (flo
 prompts, chunked prefill, prefix caching and preemption in play); every draft is what a plain
 torch EAGLE-3 forward computes from transformers' hidden states of the target's layers (so the
 Llama plugin records the right layers and the runner hands them over); a head built to predict
-what its target predicts gets its drafts accepted; bad heads fail the start."""
+what its target predicts gets its drafts accepted; bad heads fail the start; the Llama, Gemma
+and MoE plugins record the layers transformers computes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from eagle3_heads import build_agreeing_eagle3_head, build_copying_target, build_eagle3_head, reference_eagle3_drafts
+import torch
+from eagle3_heads import (
+    build_agreeing_eagle3_head,
+    build_copying_target,
+    build_eagle3_head,
+    reference_eagle3_drafts,
+    target_layer_states,
+)
 from test_spec_decode import MAX_NEW, _engine, _greedy, _repetitive_prompts, _tokens_and_logprobs
 from test_spec_decode_eagle import _record_proposals
 from tiny_models import hf_greedy
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +88,39 @@ def test_a_bad_eagle3_config_fails_at_start(llama_path, tmp_path, build, config,
     head = build_eagle3_head(tmp_path / "head", llama_path, **build)
     with pytest.raises(ValueError, match=message):
         LLM(str(llama_path), max_model_len=64, kv_cache_memory="8MiB", speculative_config={**_eagle3(head), **config})
+
+
+def _build_family_target(arch: str, folder):
+    if arch == "gemma2":
+        from family_models import build_family_model
+
+        return build_family_model(folder, arch)
+    from moe_models import build_moe_model
+
+    return build_moe_model(folder, arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3-moe"])
+def test_the_model_plugins_record_the_layers_transformers_computes(arch, llama_path, tmp_path):
+    """``set_aux_hidden_state_layers`` on the engine's own model: what the forward of a prompt
+    records is transformers' residual stream entering layers 0 and 1 and the norm's input."""
+    path = llama_path if arch == "llama" else _build_family_target(arch, tmp_path / arch)
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    layer_ids = [num_layers, 0, 1]  # any order, as asked
+    llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    runner = llm.engine.core.executor.collective_rpc(lambda worker: worker.runner)[0]
+    runner.record_aux_hidden_states(tuple(layer_ids))
+    taken: list[torch.Tensor] = []
+    take = runner.model.take_aux_hidden_states
+
+    def recording():
+        states = take()
+        taken.append(states)
+        return states
+
+    runner.model.take_aux_hidden_states = recording
+    prompt = _repetitive_prompts()[2]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1))
+    expected, _ = target_layer_states(path, prompt, layer_ids)
+    assert taken[0].shape == expected.shape
+    torch.testing.assert_close(taken[0], expected, atol=1e-4, rtol=1e-4)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import (
+    AuxHiddenStateRecorder,
     Linear,
     MergedLinear,
     ModelBuildContext,
@@ -103,10 +104,7 @@ class LlamaModel(nn.Module):
                                   lambda i: LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags))
         self.stage_layers = stage.layer_range(config.num_hidden_layers)
         self.norm = on_stage(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.num_layers = config.num_hidden_layers
-        # EAGLE-3's intermediate hidden states (set_aux_hidden_state_layers): empty, nothing recorded
-        self.aux_layer_ids: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
+        self.aux_hidden_states = AuxHiddenStateRecorder(config.num_hidden_layers)  # for EAGLE-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,15 +117,10 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = self.stage.receive(2, (input_ids.shape[0], self.hidden_size), self.dtype,
                                                   input_ids.device)
-        recorded: dict[int, torch.Tensor] = {}
         for i in self.stage_layers:
-            if self.aux_layer_ids and i in self.aux_layer_ids:  # a copy: the layers add into the residual in place
-                recorded[i] = hidden.clone() if residual is None else hidden + residual
+            self.aux_hidden_states.before_layer(i, hidden, residual)
             hidden, residual = self.layers[i](positions, hidden, residual, metadata)
-        if self.aux_layer_ids:
-            if self.num_layers in self.aux_layer_ids:  # the last layer's output, before the final norm
-                recorded[self.num_layers] = hidden if residual is None else hidden + residual
-            self.aux_hidden = torch.cat([recorded[i] for i in self.aux_layer_ids], dim=-1)
+        self.aux_hidden_states.before_norm(hidden, residual)
         if not self.stage.is_last:
             assert residual is not None  # every stage holds a layer
             self.stage.send(hidden, residual)
@@ -189,20 +182,14 @@ class LlamaForCausalLM(nn.Module):
         """Record, in every forward, the residual stream entering each of these layers (0: the
         embeddings; ``num_hidden_layers``: the last layer's output before the norm), for EAGLE-3
         (``tokenmill.worker.model_interface.AuxHiddenStatesCausalLM``)."""
-        num_layers = self.model.num_layers
-        wrong = [i for i in layer_ids if not 0 <= i <= num_layers]
-        if wrong:
-            raise ValueError(f"{type(self).__name__} has {num_layers} layers: no hidden states of layers {wrong} "
-                             f"(ids 0..{num_layers})")
         stage = self.model.stage
         if layer_ids and not (stage.is_first and stage.is_last):
             raise ValueError("intermediate hidden states are not recorded under pipeline parallelism")
-        self.model.aux_layer_ids = tuple(int(i) for i in layer_ids)
+        self.model.aux_hidden_states.set_layers(layer_ids, type(self).__name__)
 
     def take_aux_hidden_states(self) -> torch.Tensor | None:
         """The last forward's recorded states ``[T, len(layer_ids) * hidden]``, once."""
-        recorded, self.model.aux_hidden = self.model.aux_hidden, None
-        return recorded
+        return self.model.aux_hidden_states.take()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names) through each parameter's weight
