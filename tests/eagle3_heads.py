@@ -48,8 +48,9 @@ def _draft_vocabulary(vocab_size: int, draft_vocab_size: int, generator: torch.G
 
 def build_eagle3_head(folder: Path, target: Path, seed: int = 0, draft_vocab_size: int = 256,
                       layer_ids: list[int] | None = TINY_LAYER_IDS, hidden_size: int | None = None,
-                      with_d2t: bool = True) -> Path:
-    """A random-weight head for ``target``, its draft vocabulary a random subset of the target's."""
+                      with_d2t: bool = True, own_embedding: bool = False) -> Path:
+    """A random-weight head for ``target``, its draft vocabulary a random subset of the target's
+    (with an ``embed_tokens.weight`` of its own, where ``own_embedding``)."""
     config = _head_config(target, draft_vocab_size, layer_ids, hidden_size)
     hidden, target_hidden = config["hidden_size"], json.loads((target / "config.json").read_text())["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -79,6 +80,8 @@ def build_eagle3_head(folder: Path, target: Path, seed: int = 0, draft_vocab_siz
     vocab = _draft_vocabulary(config["vocab_size"], draft_vocab_size, generator)
     if with_d2t:
         weights["d2t"] = vocab - torch.arange(draft_vocab_size)
+    if own_embedding:
+        weights["embed_tokens.weight"] = torch.randn(config["vocab_size"], hidden, generator=generator)
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[vocab] = True
     weights["t2d"] = t2d
@@ -200,10 +203,13 @@ def reference_eagle3_drafts(target: Path, head: Path, context: list[int], k: int
     """The ``k`` greedy drafts after ``context``: ``fc`` over transformers' three layer states
     at positions ``0 .. n-2``, beside the embeddings of tokens ``1 .. n-1``; the layer over the
     whole sequence, recomputed at each draft; each draft from ``lm_head(norm(out[-1]))`` mapped
-    by ``d2t``, the next position reading its embedding and ``out[-1]``."""
+    by ``d2t``, the next position reading its embedding and ``out[-1]``. The embeddings are the
+    head's own where it has some."""
     config = json.loads((head / "config.json").read_text())
     w = load_file(str(head / "model.safetensors"))
     states, embed = target_layer_states(target, context, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    if "embed_tokens.weight" in w:  # the head's own, else the target's
+        embed = torch.nn.Embedding.from_pretrained(w["embed_tokens.weight"])
     with torch.no_grad():
         ids = torch.tensor(context)
         hidden = states[:-1] @ w["fc.weight"].T

@@ -52,17 +52,21 @@ def test_eagle3_greedy_is_token_identical_to_no_speculation_and_transformers(lla
     assert core.kv_manager.num_free_blocks == core.num_kv_blocks  # every slot given back
 
 
-def test_eagle3_drafts_are_the_reference_forward_over_the_targets_layers(llama_path, eagle3_head):
+@pytest.mark.parametrize("own_embedding", [False, True])
+def test_eagle3_drafts_are_the_reference_forward_over_the_targets_layers(llama_path, eagle3_head, tmp_path,
+                                                                         own_embedding):
     """Through chunked prefills and rejected drafts, every draft is the plain EAGLE-3 forward
-    over transformers' states of the target's layers 0, 1 and 2 for the whole context."""
-    llm = _engine(llama_path, _eagle3(eagle3_head), enable_prefix_caching=False, max_num_batched_tokens=16,
+    over transformers' states of the target's layers 0, 1 and 2 for the whole context (with the
+    target's embedding, or the head's own where it ships one)."""
+    head = build_eagle3_head(tmp_path / "own", llama_path, seed=1, own_embedding=True) if own_embedding else eagle3_head
+    llm = _engine(llama_path, _eagle3(head), enable_prefix_caching=False, max_num_batched_tokens=16,
                   num_kv_blocks=None, kv_cache_memory="16MiB")
     calls = _record_proposals(llm)
     llm.generate([{"prompt_token_ids": p} for p in _repetitive_prompts()[4:7]], _greedy(8))
     assert len(calls) >= 3 * 3
     for context, drafts in calls:
         assert drafts, "a request that sampled got no drafts"
-        assert drafts == reference_eagle3_drafts(llama_path, eagle3_head, context, len(drafts)), \
+        assert drafts == reference_eagle3_drafts(llama_path, head, context, len(drafts)), \
             f"context of {len(context)}"
 
 
