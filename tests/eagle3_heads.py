@@ -48,10 +48,11 @@ def _draft_vocabulary(vocab_size: int, draft_vocab_size: int, generator: torch.G
 
 def build_eagle3_head(folder: Path, target: Path, seed: int = 0, draft_vocab_size: int = 256,
                       layer_ids: list[int] | None = TINY_LAYER_IDS, hidden_size: int | None = None,
-                      with_d2t: bool = True, own_embedding: bool = False) -> Path:
+                      with_d2t: bool = True, own_embedding: bool = False, max_positions: int = 64) -> Path:
     """A random-weight head for ``target``, its draft vocabulary a random subset of the target's
-    (with an ``embed_tokens.weight`` of its own, where ``own_embedding``)."""
-    config = _head_config(target, draft_vocab_size, layer_ids, hidden_size)
+    (with an ``embed_tokens.weight`` of its own, where ``own_embedding``). Like the published
+    heads, it declares fewer positions (``max_positions``) than the engine runs it over."""
+    config = _head_config(target, draft_vocab_size, layer_ids, hidden_size, max_position_embeddings=max_positions)
     hidden, target_hidden = config["hidden_size"], json.loads((target / "config.json").read_text())["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_size = hidden // heads

@@ -373,7 +373,8 @@ def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
         ``speculative_config={"method": NAME}`` selects), ``proposer_qualname`` (a
         ``"module:Class"`` implementing :class:`tokenmill.plugin_api.Proposer`, imported only
         when chosen) and ``needs_draft_model`` (the config must then name a ``model``, whose
-        vocabulary and context length the engine checks against the target's at start).
+        vocabulary and context length the engine checks against the target's at start; the
+        context length only with ``checks_draft_positions``, the default).
 
     Called: in the engine process when it starts with a ``speculative_config`` (to check the
     method exists), in the worker that samples (to build the proposer:

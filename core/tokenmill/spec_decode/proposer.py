@@ -93,7 +93,8 @@ def check_speculative_config(config: SpeculativeConfig, plugins: PluginManager, 
                              max_model_len: int, tensor_parallel_size: int) -> SpecDecodeSpec:
     """The chosen method's spec, or a clear error at start: an unknown method, a method that
     needs a draft model given none, a draft whose vocabulary differs from the target's or
-    whose context is shorter than ``max_model_len``, or a layout it does not support yet."""
+    whose context is shorter than ``max_model_len`` (where the method checks it), or a layout it
+    does not support yet."""
     methods = spec_decode_methods(plugins)
     spec = methods.get(str(config.method))
     if spec is None:
@@ -104,11 +105,11 @@ def check_speculative_config(config: SpeculativeConfig, plugins: PluginManager, 
     if spec.needs_draft_model:
         if config.model is None:
             raise ValueError(f"speculative method {spec.name!r} needs a draft 'model'")
-        _check_draft(config.model, vocab_size, max_model_len)
+        _check_draft(config.model, vocab_size, max_model_len, spec.checks_draft_positions)
     return spec
 
 
-def _check_draft(path: str, vocab_size: int, max_model_len: int) -> None:
+def _check_draft(path: str, vocab_size: int, max_model_len: int, checks_positions: bool = True) -> None:
     from transformers import AutoConfig
 
     draft = AutoConfig.from_pretrained(path)
@@ -117,7 +118,7 @@ def _check_draft(path: str, vocab_size: int, max_model_len: int) -> None:
         raise ValueError(f"the draft model {path} has a vocabulary of {draft_vocab} tokens, the target "
                          f"{vocab_size}: a draft must share the target's tokenizer")
     positions = getattr(draft, "max_position_embeddings", None)
-    if positions is not None and int(positions) < max_model_len:
+    if checks_positions and positions is not None and int(positions) < max_model_len:
         raise ValueError(f"the draft model {path} has {positions} positions, fewer than max_model_len="
                          f"{max_model_len}; lower max_model_len")
 
