@@ -373,7 +373,8 @@ def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
         ``speculative_config={"method": NAME}`` selects), ``proposer_qualname`` (a
         ``"module:Class"`` implementing :class:`tokenmill.plugin_api.Proposer`, imported only
         when chosen) and ``needs_draft_model`` (the config must then name a ``model``, whose
-        vocabulary and context length the engine checks against the target's at start).
+        vocabulary and context length the engine checks against the target's at start; the
+        context length only with ``checks_draft_positions``, the default).
 
     Called: in the engine process when it starts with a ``speculative_config`` (to check the
     method exists), in the worker that samples (to build the proposer:
@@ -384,6 +385,13 @@ def tokenmill_register_spec_decode_methods() -> list[SpecDecodeSpec] | None:
     the next step verifies them in the target's forward pass, and the rejection sampler keeps
     the output distribution the target's own. ``proposer.forget(req_ids)`` is called for
     requests that finished or were preempted.
+
+    A proposer that drafts from the target's hidden states sets ``uses_target_hidden_states``
+    and gets them through ``observe`` first: the final ones, or those of the target layers it
+    names in ``target_layer_ids`` (EAGLE-3), which the runner asks the model for through the
+    optional model methods ``set_aux_hidden_state_layers`` / ``take_aux_hidden_states``
+    (:class:`tokenmill.worker.model_interface.AuxHiddenStatesCausalLM`; a model without them
+    fails the start of such a proposer).
 
     Default: none in the core; ``ngram`` ships in ``tokenmill-spec-ngram``. Collect hook;
     names must be unique across plugins.

@@ -2,6 +2,7 @@
 
 from tokenmill.attention.encoder import EncoderBatch, bidirectional_attention
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.aux_hidden_states import AuxHiddenStateRecorder
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
 from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
@@ -66,6 +67,7 @@ __all__ = [
     "unpack_rows",
     "values_per_word",
     "Attention",
+    "AuxHiddenStateRecorder",
     "Communicator",
     "EmbeddingMethod",
     "EncoderBatch",

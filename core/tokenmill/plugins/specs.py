@@ -121,11 +121,15 @@ class QuantMethodSpec:
 class SpecDecodeSpec:
     """A speculative-decoding proposer (``tokenmill_register_spec_decode_methods``): its
     name in ``speculative_config``, the ``"module:Class"`` of its :class:`Proposer`, and
-    whether the config must name a draft model."""
+    whether the config must name a draft model. ``checks_draft_positions``: whether that
+    model's ``max_position_embeddings`` must cover ``max_model_len`` (a draft model's; an
+    EAGLE head builds its rotary table for the engine's context, and the published heads
+    declare fewer positions than their targets)."""
 
     name: str
     proposer_qualname: str
     needs_draft_model: bool = False
+    checks_draft_positions: bool = True
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ class DraftRequest:
 class TargetHiddenStates:
     """The target's final hidden states (the lm_head's input) of one request's positions
     ``start .. start + len(hidden) - 1`` that a step computed and that hold: prompt tokens and
-    the tokens the target accepted, never a rejected draft's. A view valid during the call."""
+    the tokens the target accepted, never a rejected draft's. A view valid during the call.
+    For a proposer that names ``target_layer_ids`` (EAGLE-3), ``hidden`` holds those layers'
+    states instead, concatenated in its order: ``[n, len(target_layer_ids) * hidden_size]``."""
 
     req_id: str
     start: int
@@ -65,7 +67,12 @@ class Proposer(Protocol):
     A proposer whose class sets ``uses_target_hidden_states = True`` (EAGLE) also has an
     ``observe(states: list[TargetHiddenStates])`` method, called after every step's
     sampling and before ``propose``, with the hidden states of every scheduled request
-    (prefill chunks that do not sample included)."""
+    (prefill chunks that do not sample included). One that also sets ``target_layer_ids``
+    (a tuple of layer ids, an instance attribute set by the time it is built) gets the
+    hidden states of those target layers instead of the final ones: the runner asks the
+    target model for them (``AuxHiddenStatesCausalLM.set_aux_hidden_state_layers``; layer
+    ``i`` is the residual stream entering decoder layer ``i``), and a target that cannot
+    record them fails the start."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Draft tokens per request, in order (an empty list: no guess)."""
@@ -86,7 +93,8 @@ def check_speculative_config(config: SpeculativeConfig, plugins: PluginManager, 
                              max_model_len: int, tensor_parallel_size: int) -> SpecDecodeSpec:
     """The chosen method's spec, or a clear error at start: an unknown method, a method that
     needs a draft model given none, a draft whose vocabulary differs from the target's or
-    whose context is shorter than ``max_model_len``, or a layout it does not support yet."""
+    whose context is shorter than ``max_model_len`` (where the method checks it), or a layout it
+    does not support yet."""
     methods = spec_decode_methods(plugins)
     spec = methods.get(str(config.method))
     if spec is None:
@@ -97,11 +105,11 @@ def check_speculative_config(config: SpeculativeConfig, plugins: PluginManager, 
     if spec.needs_draft_model:
         if config.model is None:
             raise ValueError(f"speculative method {spec.name!r} needs a draft 'model'")
-        _check_draft(config.model, vocab_size, max_model_len)
+        _check_draft(config.model, vocab_size, max_model_len, spec.checks_draft_positions)
     return spec
 
 
-def _check_draft(path: str, vocab_size: int, max_model_len: int) -> None:
+def _check_draft(path: str, vocab_size: int, max_model_len: int, checks_positions: bool = True) -> None:
     from transformers import AutoConfig
 
     draft = AutoConfig.from_pretrained(path)
@@ -110,7 +118,7 @@ def _check_draft(path: str, vocab_size: int, max_model_len: int) -> None:
         raise ValueError(f"the draft model {path} has a vocabulary of {draft_vocab} tokens, the target "
                          f"{vocab_size}: a draft must share the target's tokenizer")
     positions = getattr(draft, "max_position_embeddings", None)
-    if positions is not None and int(positions) < max_model_len:
+    if checks_positions and positions is not None and int(positions) < max_model_len:
         raise ValueError(f"the draft model {path} has {positions} positions, fewer than max_model_len="
                          f"{max_model_len}; lower max_model_len")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +59,34 @@ class MultiModalCausalLM(CausalLM, Protocol):
         except where ``is_multimodal`` (``[T]`` bool) is set, whose rows are taken from
         ``mm_embeddings`` (``[is_multimodal.sum(), hidden]``), in order."""
         ...
+
+
+class AuxHiddenStatesCausalLM(CausalLM, Protocol):
+    """A model that can also hand out intermediate hidden states (EAGLE-3 drafts from three
+    of the target's layers). Optional: the runner asks for them only where a proposer names
+    layers (``Proposer.target_layer_ids``), and a model without these methods is then refused
+    at start.
+
+    Layer id ``i`` is the residual stream entering decoder layer ``i`` (0: the token
+    embeddings), i.e. transformers' ``output_hidden_states[i]``; ``i == num_hidden_layers``
+    is the last layer's output before the final norm."""
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """From now on every forward also records the hidden states of these layers (in this
+        order; repeats allowed); an id out of range, or a layout that cannot (pipeline
+        stages), raises ``ValueError``."""
+        ...
+
+    def take_aux_hidden_states(self) -> torch.Tensor | None:
+        """The last forward's recorded states ``[T, len(layer_ids) * hidden]``, concatenated
+        in the requested order, and forget them (None: nothing recorded since)."""
+        ...
+
+
+def records_aux_hidden_states(model: Any) -> bool:
+    """Whether ``model`` implements :class:`AuxHiddenStatesCausalLM`."""
+    return (callable(getattr(model, "set_aux_hidden_state_layers", None))
+            and callable(getattr(model, "take_aux_hidden_states", None)))
 
 
 def is_multimodal(model: Any) -> bool:

@@ -23,7 +23,12 @@ from tokenmill.platform import DeviceKVAllocator, KVCacheAllocator
 from tokenmill.sample import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_prompt_logprobs
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.model_interface import CausalLM, is_multimodal
+from tokenmill.worker.model_interface import (
+    AuxHiddenStatesCausalLM,
+    CausalLM,
+    is_multimodal,
+    records_aux_hidden_states,
+)
 from tokenmill.worker.multimodal import MultiModalEmbedder
 from tokenmill.worker.prefault import populate_in_background
 from tokenmill.worker.request_state import CachedRequestState
@@ -41,6 +46,7 @@ class _Forward:
     inputs: StepInputs
     hidden: torch.Tensor
     token_logits: torch.Tensor | None  # every token's logits, where a step graph computed them too
+    aux_hidden: torch.Tensor | None = None  # the layers record_aux_hidden_states named, where it did
 
 
 class ModelRunner:
@@ -84,6 +90,7 @@ class ModelRunner:
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         self._forward_result: _Forward | None = None  # from execute_model, for sample_tokens
         self.spec_decode: SpecDecodeRunner | None = None  # set where speculative decoding is on
+        self._records_aux = False  # record_aux_hidden_states was called
         self.multimodal = (MultiModalEmbedder(cast(Any, model), mm_encoder_cache_size)
                            if is_multimodal(model) else None)
         self.kv_connector: KVConnectorWorker | None = None  # set by bind_kv_connector, with kv_transfer_config
@@ -136,6 +143,17 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.clear()
 
+    def record_aux_hidden_states(self, layer_ids: tuple[int, ...]) -> None:
+        """Have every forward also record these layers' hidden states (an EAGLE-3 proposer's
+        ``target_layer_ids``), handed to the proposer. Step graphs go: a replay would not run
+        the Python that records them. A model that cannot is an error at start."""
+        if not records_aux_hidden_states(self.model):
+            raise ValueError(f"{type(self.model).__name__} does not record intermediate hidden states "
+                             "(set_aux_hidden_state_layers), which this speculative method needs")
+        cast(AuxHiddenStatesCausalLM, self.model).set_aux_hidden_state_layers(layer_ids)
+        self._records_aux = True
+        self.graphs = None
+
     # -- one step ------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -156,7 +174,8 @@ class ModelRunner:
             self.lora.load(scheduler_output.lora_loads)
             self.lora.set_step([self.batch.states[row].lora_slot for row in inputs.rows], inputs.num_scheduled)
         hidden, token_logits = self._forward(inputs)
-        self._forward_result = _Forward(inputs, hidden, token_logits)
+        aux_hidden = cast(AuxHiddenStatesCausalLM, self.model).take_aux_hidden_states() if self._records_aux else None
+        self._forward_result = _Forward(inputs, hidden, token_logits, aux_hidden)
         self._finish_kv_transfers(scheduler_output)
 
     def _finish_kv_transfers(self, scheduler_output: SchedulerOutput) -> None:
@@ -184,7 +203,7 @@ class ModelRunner:
         if self.multimodal is not None:
             output.encoder_cache_queries, output.encoder_cache_hits = self.multimodal.take_step_counts()
         if self.spec_decode is not None:
-            self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden)
+            self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden, forward.aux_hidden)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

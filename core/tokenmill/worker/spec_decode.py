@@ -80,10 +80,19 @@ class SpecDecodeRunner:
             first += len(draft) + 1
         return mask & ~with_drafts
 
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the proposer reads instead of the final ones
+        (EAGLE-3), or none."""
+        return tuple(getattr(self.proposer, "target_layer_ids", ()))
+
     def propose(self, batch: InputBatch, output: ModelRunnerOutput, inputs: StepInputs | None = None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, aux_hidden: torch.Tensor | None = None) -> None:
         """Drafts for every request that sampled this step, into ``output.spec_token_ids``; a
-        proposer that drafts from the target's hidden states first gets those of the step."""
+        proposer that drafts from the target's hidden states first gets those of the step (the
+        layers it names, ``aux_hidden``, where it names some)."""
+        if self.target_layer_ids:
+            hidden = aux_hidden
         if inputs is not None and hidden is not None and getattr(self.proposer, "uses_target_hidden_states", False):
             self.proposer.observe(self._held_hidden_states(batch, inputs, hidden, output))  # type: ignore[attr-defined]
         requests = []

@@ -186,6 +186,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
     )
     if config.speculative_config is not None and samples:
         runner.spec_decode = _spec_decode_runner(config, plugins, platform, runner, max_model_len)
+        if runner.spec_decode.target_layer_ids:  # EAGLE-3: the target records those layers' states
+            runner.record_aux_hidden_states(runner.spec_decode.target_layer_ids)
     if config.kv_transfer_config is not None:
         context = KVConnectorContext(config.kv_transfer_config, config, config.block_size, rank=comm.rank,
                                      device=device, dtype=dtype)

@@ -16,7 +16,7 @@ ranks as in the Llama family; the norms are replicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenmill.layers import (
     Attention,
+    AuxHiddenStateRecorder,
     Linear,
     MergedLinear,
     ModelBuildContext,
@@ -158,13 +159,16 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, ctx.child(f"layers.{i}"), qk_norm)
                                     for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_hidden_states = AuxHiddenStateRecorder(config.num_hidden_layers)  # for EAGLE-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self.embed_scale.to(hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            self.aux_hidden_states.before_layer(index, hidden, residual)
             hidden, residual = layer(positions, hidden, residual, metadata)
+        self.aux_hidden_states.before_norm(hidden, residual)
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)
@@ -201,6 +205,14 @@ class Gemma2ForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """Record, in every forward, the residual stream entering each of these layers, for
+        EAGLE-3 (``tokenmill.layers.AuxHiddenStateRecorder``)."""
+        self.model.aux_hidden_states.set_layers(layer_ids, type(self).__name__)
+
+    def take_aux_hidden_states(self) -> torch.Tensor | None:
+        return self.model.aux_hidden_states.take()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); q/k/v and gate/up as shards of

@@ -17,7 +17,7 @@ model's build context, so each linear layer knows its checkpoint prefix
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import (
+    AuxHiddenStateRecorder,
     Linear,
     MergedLinear,
     ModelBuildContext,
@@ -103,6 +104,7 @@ class LlamaModel(nn.Module):
                                   lambda i: LlamaDecoderLayer(config, i, ctx.child(f"layers.{i}"), flags))
         self.stage_layers = stage.layer_range(config.num_hidden_layers)
         self.norm = on_stage(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.aux_hidden_states = AuxHiddenStateRecorder(config.num_hidden_layers)  # for EAGLE-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +118,9 @@ class LlamaModel(nn.Module):
             hidden, residual = self.stage.receive(2, (input_ids.shape[0], self.hidden_size), self.dtype,
                                                   input_ids.device)
         for i in self.stage_layers:
+            self.aux_hidden_states.before_layer(i, hidden, residual)
             hidden, residual = self.layers[i](positions, hidden, residual, metadata)
+        self.aux_hidden_states.before_norm(hidden, residual)
         if not self.stage.is_last:
             assert residual is not None  # every stage holds a layer
             self.stage.send(hidden, residual)
@@ -173,6 +177,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """Record, in every forward, the residual stream entering each of these layers (0: the
+        embeddings; ``num_hidden_layers``: the last layer's output before the norm), for EAGLE-3
+        (``tokenmill.worker.model_interface.AuxHiddenStatesCausalLM``)."""
+        stage = self.model.stage
+        if layer_ids and not (stage.is_first and stage.is_last):
+            raise ValueError("intermediate hidden states are not recorded under pipeline parallelism")
+        self.model.aux_hidden_states.set_layers(layer_ids, type(self).__name__)
+
+    def take_aux_hidden_states(self) -> torch.Tensor | None:
+        """The last forward's recorded states ``[T, len(layer_ids) * hidden]``, once."""
+        return self.model.aux_hidden_states.take()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names) through each parameter's weight

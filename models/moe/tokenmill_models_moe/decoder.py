@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import (
+    AuxHiddenStateRecorder,
     FusedMoE,
     Linear,
     MergedLinear,
@@ -142,12 +143,15 @@ class MoEModel(nn.Module):
         self.layers = nn.ModuleList(MoEDecoderLayer(config, i, ctx.child(f"layers.{i}"), shape, attention)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_hidden_states = AuxHiddenStateRecorder(config.num_hidden_layers)  # for EAGLE-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            self.aux_hidden_states.before_layer(index, hidden, residual)
             hidden, residual = layer(positions, hidden, residual, metadata)
+        self.aux_hidden_states.before_norm(hidden, residual)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)

@@ -12,7 +12,7 @@ saying how its config describes the experts (:meth:`MoEForCausalLM.moe_shape`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -80,6 +80,14 @@ class MoEForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """Record, in every forward, the residual stream entering each of these layers, for
+        EAGLE-3 (``tokenmill.layers.AuxHiddenStateRecorder``)."""
+        self.model.aux_hidden_states.set_layers(layer_ids, type(self).__name__)
+
+    def take_aux_hidden_states(self) -> torch.Tensor | None:
+        return self.model.aux_hidden_states.take()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names): expert tensors through their MoE

@@ -11,8 +11,9 @@ import torch
 _SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
-def read_head_weights(path: str) -> dict[str, torch.Tensor]:
-    """The head's tensors by name (``fc.weight``, ``layers.0....``), on the CPU."""
+def read_head_weights(path: str, shared_prefixes: tuple[str, ...] = _SHARED_PREFIXES) -> dict[str, torch.Tensor]:
+    """The head's tensors by name (``fc.weight``, ``layers.0....``), on the CPU, less those
+    under ``shared_prefixes`` (an EAGLE-3 head keeps its own lm_head: it passes none)."""
     folder = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     safetensors = sorted(folder.glob("*.safetensors"))
@@ -28,4 +29,4 @@ def read_head_weights(path: str) -> dict[str, torch.Tensor]:
         for file in bins:
             tensors.update(torch.load(file, map_location="cpu", weights_only=True))
     named = {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
-    return {name: tensor for name, tensor in named.items() if not name.startswith(_SHARED_PREFIXES)}
+    return {name: tensor for name, tensor in named.items() if not (shared_prefixes and name.startswith(shared_prefixes))}

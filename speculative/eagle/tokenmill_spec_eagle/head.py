@@ -42,15 +42,17 @@ def head_size_of(config: Any) -> int:
 
 
 class EagleAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
+        """``input_size``: the width q/k/v read (``hidden_size``; twice that in EAGLE-3)."""
         super().__init__()
         hidden, self.num_heads = config.hidden_size, config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = head_size_of(config)
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
+        width = input_size or hidden
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_size, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_size, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=bias)
         self._rotary = [rotary]  # shared by the layers, kept out of the state dict
 

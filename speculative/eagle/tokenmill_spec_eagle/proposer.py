@@ -59,8 +59,6 @@ class EagleProposer:
     uses_target_hidden_states = True
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
-        from transformers import LlamaConfig
-
         assert config.model is not None  # the engine checked it at start
         if context.target_model is None:
             raise ValueError("the eagle proposer needs the target model (its embedding and lm_head)")
@@ -68,6 +66,15 @@ class EagleProposer:
         self.vocab_size = context.vocab_size
         self.target = context.target_model
         self.embed = _target_embedding(context.target_model)
+        self.head: Any = self._load_head(config, context).to(device=context.device, dtype=context.dtype).eval()
+        self.device, self.dtype = context.device, context.dtype
+        self.states: dict[str, _HeadState] = {}
+
+    def _load_head(self, config: SpeculativeConfig, context: ProposerContext) -> torch.nn.Module:
+        """The EAGLE-1 head of ``config.model``, checked against the target, on the CPU."""
+        from transformers import LlamaConfig
+
+        assert config.model is not None
         head_config = LlamaConfig.from_pretrained(config.model)
         target_hidden = int(self.embed.weight.shape[-1])
         if head_config.hidden_size != target_hidden:
@@ -85,9 +92,20 @@ class EagleProposer:
         if missing or unexpected:
             raise ValueError(f"the EAGLE head {config.model} does not match the EAGLE-1 layout: "
                              f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        self.head = head.to(device=context.device, dtype=context.dtype).eval()
-        self.device, self.dtype = context.device, context.dtype
-        self.states: dict[str, _HeadState] = {}
+        return head
+
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head reads at a position, from the target's hidden states there (EAGLE-1:
+        the final ones as they are; a copy, the runner's view goes)."""
+        return hidden.to(self.dtype).clone()
+
+    def _draft_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """The greedy draft read from each of the head's output rows (EAGLE-1: the target's lm_head)."""
+        return [int(t) for t in self.target.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()]
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings the head reads (EAGLE-1: the target's)."""
+        return self.embed(token_ids)  # type: ignore[no-any-return]
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -100,7 +118,7 @@ class EagleProposer:
                 state = self.states[held.req_id] = _HeadState(
                     held.start, self.head.empty_caches(held.start, self.device, self.dtype))
             state.cut(held.start)
-            state.pending.append(held.hidden.to(self.dtype).clone())
+            state.pending.append(self._head_input(held.hidden))
             state.num_pending += len(held.hidden)
 
     @torch.inference_mode()
@@ -115,7 +133,7 @@ class EagleProposer:
         hidden = self._catch_up([(r, state) for _, r, state in ready])
         active = list(range(len(ready)))
         for step in range(max(r.num_drafts for _, r, _ in ready)):
-            tokens = self.target.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()
+            tokens = self._draft_tokens(hidden)
             for j, token in zip(active, tokens, strict=True):
                 drafts[ready[j][0]].append(int(token))
             keep = [n for n, j in enumerate(active) if ready[j][1].num_drafts > step + 1]
@@ -124,7 +142,7 @@ class EagleProposer:
             active = [active[n] for n in keep]
             ids = torch.tensor([tokens[n] for n in keep], device=self.device)
             positions = torch.tensor([len(ready[j][1].token_ids) - 1 + step for j in active], device=self.device)
-            hidden = self.head(self.embed(ids), hidden[keep], positions, [ready[j][2].caches for j in active],
+            hidden = self.head(self._embed(ids), hidden[keep], positions, [ready[j][2].caches for j in active],
                                [1] * len(active))
         for _, _, state in ready:  # the drafts' KV goes: recomputed from real hidden states next time
             for cache in state.caches:
@@ -146,7 +164,7 @@ class EagleProposer:
             hidden += state.pending
             positions.append(torch.arange(first, last))
             lengths.append(last - first)
-        out = self.head(self.embed(torch.cat(tokens).to(self.device)), torch.cat(hidden),
+        out = self.head(self._embed(torch.cat(tokens).to(self.device)), torch.cat(hidden),
                         torch.cat(positions).to(self.device), [state.caches for _, state in ready], lengths)
         for _, state in ready:
             state.num_kv += state.num_pending
