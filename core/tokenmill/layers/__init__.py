@@ -5,6 +5,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
 from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
+from tokenmill.layers.expert_parallel import ExpertPlacement
 from tokenmill.layers.linear import (
     Linear,
     LinearMethod,
@@ -24,6 +25,7 @@ from tokenmill.layers.moe import (
     UnquantizedFusedMoEMethod,
     check_experts_loaded,
     expert_load_by_layer,
+    held_checkpoint_tensors,
     load_imbalance,
 )
 from tokenmill.layers.moe_quantization import (
@@ -69,6 +71,7 @@ __all__ = [
     "Communicator",
     "EmbeddingMethod",
     "EncoderBatch",
+    "ExpertPlacement",
     "ExpertShardLoader",
     "FusedMoE",
     "FusedMoEMethod",
@@ -95,6 +98,7 @@ __all__ = [
     "check_experts_loaded",
     "default_weight_loader",
     "expert_load_by_layer",
+    "held_checkpoint_tensors",
     "get_rotary_embedding",
     "RotarySelfAttention",
     "attention_head_size",
