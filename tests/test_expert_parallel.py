@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import shutil
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,15 @@ from tiny_models import hf_greedy
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.expert_parallel import check_expert_parallel
-from tokenmill.layers import ExpertPlacement, FusedMoE, ModelBuildContext, MoERouting, held_checkpoint_tensors
+from tokenmill.layers import (
+    ExpertPlacement,
+    FusedMoE,
+    FusedMoEMethod,
+    ModelBuildContext,
+    MoERouting,
+    held_checkpoint_tensors,
+)
+from tokenmill.layers.linear import process_weights_after_loading
 
 MAX_NEW = 10
 HIDDEN, INTER, EXPERTS = 12, 8, 8
@@ -53,11 +62,27 @@ def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "down_proj": torch.stack([tensors[f"{e}.w2.weight"] for e in range(EXPERTS)])}
 
 
-def _layer(rank: int = 0, world_size: int = 1, expert_parallel: bool = False) -> FusedMoE:
+def _fp8_method() -> FusedMoEMethod:
+    from tokenmill_quant_fp8.moe import Fp8OnlineMoEMethod
+
+    return Fp8OnlineMoEMethod()
+
+
+def _layer(rank: int = 0, world_size: int = 1, expert_parallel: bool = False,
+           method: Callable[[], FusedMoEMethod] | None = None) -> FusedMoE:
     ctx = ModelBuildContext(hf_config=None, prefix=PREFIX, rank=rank, world_size=world_size,
                             params_dtype=torch.float32, expert_parallel=expert_parallel)
     return FusedMoE(EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), ctx=ctx,
-                    expert_names=("w1", "w3", "w2"), reduce_results=False)
+                    expert_names=("w1", "w3", "w2"), reduce_results=False,
+                    quant_method=method() if method is not None else None)
+
+
+def _loaded(layer: FusedMoE, checkpoint: dict[str, torch.Tensor]) -> FusedMoE:
+    for name, tensor in checkpoint.items():
+        layer.load_checkpoint_tensor(name, tensor)
+    assert layer.missing_checkpoint_tensors() == []
+    process_weights_after_loading(layer)
+    return layer
 
 
 def test_placement_gives_every_expert_to_one_rank_the_first_ranks_one_more():
@@ -72,24 +97,21 @@ def test_placement_gives_every_expert_to_one_rank_the_first_ranks_one_more():
         ExpertPlacement.for_rank(3, 0, 4)
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
-def test_three_ranks_of_whole_experts_sum_to_the_whole_layer(layout):
+@pytest.mark.parametrize(("layout", "method"), [("per_expert", None), ("stacked", None), ("per_expert", _fp8_method)],
+                         ids=["per-expert", "stacked", "fp8-online"])
+def test_three_ranks_of_whole_experts_sum_to_the_whole_layer(layout, method):
     """8 experts over 3 ranks (3, 3, 2): each rank holds its experts whole and runs only the
-    token-expert pairs routed to them; the partial outputs add up to the one-rank layer's."""
+    token-expert pairs routed to them; the partial outputs add up to the one-rank layer's
+    (FP8 experts too: quantized per expert and row, so the rank's share quantizes alike)."""
     torch.manual_seed(1)
     tensors = _expert_tensors()
     checkpoint = tensors if layout == "per_expert" else _stacked(tensors)
     x, logits = torch.randn(7, HIDDEN), torch.randn(7, EXPERTS) * 2
-    whole = _layer()
-    for name, tensor in checkpoint.items():
-        whole.load_checkpoint_tensor(name, tensor)
+    whole = _loaded(_layer(method=method), checkpoint)
     expected = whole(x, logits)
     total = torch.zeros_like(expected)
     for rank in range(3):
-        layer = _layer(rank, 3, expert_parallel=True)
-        for name, tensor in checkpoint.items():
-            layer.load_checkpoint_tensor(name, tensor)
-        assert layer.missing_checkpoint_tensors() == []
+        layer = _loaded(_layer(rank, 3, expert_parallel=True, method=method), checkpoint)
         first, count = layer.placement.first, layer.num_local_experts
         assert (first, count) == [(0, 3), (3, 3), (6, 2)][rank]
         assert tuple(layer.gate_up_proj.shape) == (count, 2 * INTER, HIDDEN)  # whole experts, unsplit
