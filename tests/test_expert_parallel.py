@@ -203,7 +203,7 @@ def test_two_expert_parallel_ranks_match_transformers(model, request):
     shared expert split by tensor parallelism; with chunked prefill and preemption. Each rank's
     expert-load counters count every global expert id."""
     folder, expected = request.getfixturevalue(model)
-    llm = LLM(str(folder), dtype="float32", max_model_len=128, num_kv_blocks=10, max_num_batched_tokens=16,
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, num_kv_blocks=10, max_num_batched_tokens=32,
               tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         outputs = _generate(llm)
