@@ -43,14 +43,15 @@ MOE_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def build_moe_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """Save a tiny random MoE model of ``arch`` (and the shared tokenizer) into ``folder``."""
+def build_moe_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random MoE model of ``arch`` (and the shared tokenizer) into ``folder``;
+    ``overrides`` change its config (``num_local_experts=7``)."""
     import torch
     import transformers
 
     config_name, model_name, extra = MOE_ARCHS[arch]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is robust
         model.lm_head.weight.normal_(0, 0.5)

@@ -96,6 +96,13 @@ def test_todays_flags_keep_their_spelling_and_meaning():
     assert engine.model == "some/model"
 
 
+def test_expert_parallelism_is_a_flag_beside_the_tensor_parallel_size():
+    app, received = probe(EngineConfig)
+    run(app, ["--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    engine, _ = received[0]
+    assert engine.tensor_parallel_size == 2 and engine.enable_expert_parallel is True
+
+
 @pytest.mark.parametrize(("args", "flag", "reason"), [
     (["--max-num-seqs", "0"], "--max-num-seqs", "greater than or equal to 1"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory", "not a memory size"),

@@ -104,6 +104,10 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, description="Stages the model's decoder layers are split "
                                                              "into (pipeline parallelism), tensor_parallel_size "
                                                              "worker processes each", json_schema_extra=cli(_RUN))
+    enable_expert_parallel: bool = Field(
+        False, description="MoE layers place whole experts on the tensor-parallel ranks (expert i of E on one "
+                           "rank, a contiguous share each) instead of splitting every expert; with one rank it "
+                           "changes nothing", json_schema_extra=cli(_RUN))
     distributed_executor_backend: str = Field(
         "uni", description="Executor that runs the model's workers, by its registered name (see `tokenmill plugins`; "
                           "default: uni, one worker in the engine's own process, or mp, one process per rank, "

@@ -13,6 +13,7 @@ from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.runner import choose_runner
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
+from tokenmill.executor.expert_parallel import check_expert_parallel
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
@@ -62,6 +63,7 @@ class EngineCore:
         self.eos_token_id, self.extra_stop_token_ids = eos_token_ids(self.checkpoint.generation_config,
                                                                      self.checkpoint.tokenizer)
         check_tensor_parallel(self.checkpoint.text_config, config.tensor_parallel_size)  # before any worker starts
+        check_expert_parallel(self.checkpoint.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.text_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)

@@ -6,6 +6,7 @@ from tokenmill.layers.aux_hidden_states import AuxHiddenStateRecorder
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
 from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
+from tokenmill.layers.expert_parallel import ExpertPlacement
 from tokenmill.layers.linear import (
     Linear,
     LinearMethod,
@@ -25,6 +26,7 @@ from tokenmill.layers.moe import (
     UnquantizedFusedMoEMethod,
     check_experts_loaded,
     expert_load_by_layer,
+    held_checkpoint_tensors,
     load_imbalance,
 )
 from tokenmill.layers.moe_quantization import (
@@ -71,6 +73,7 @@ __all__ = [
     "Communicator",
     "EmbeddingMethod",
     "EncoderBatch",
+    "ExpertPlacement",
     "ExpertShardLoader",
     "FusedMoE",
     "FusedMoEMethod",
@@ -97,6 +100,7 @@ __all__ = [
     "check_experts_loaded",
     "default_weight_loader",
     "expert_load_by_layer",
+    "held_checkpoint_tensors",
     "get_rotary_embedding",
     "RotarySelfAttention",
     "attention_head_size",

@@ -7,6 +7,8 @@ to the modules it creates, so every layer knows its checkpoint prefix
 linear method it gets. The parallel fields describe the tensor-parallel group the
 layers shard over (``rank`` of ``world_size``); ``comm`` runs its collectives
 (a group of one: every collective is a no-op, and the layers are unsplit).
+``expert_parallel``: the MoE layers place whole experts on the group's ranks instead of
+splitting each expert (:mod:`tokenmill.layers.expert_parallel`).
 ``pipeline`` is the pipeline stage this rank builds (:mod:`tokenmill.layers.pipeline`: which
 decoder layers, whether the embedding or the lm_head; one stage: all of them).
 """
@@ -52,6 +54,7 @@ class ModelBuildContext:
     layer_ops: LayerOps = dataclasses.field(default_factory=lambda: layer_ops(torch.get_default_device()))
     shared: dict[Any, nn.Module] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     pipeline: PipelineStage = dataclasses.field(default=SINGLE_STAGE, compare=False)
+    expert_parallel: bool = False
 
     def child(self, name: str) -> ModelBuildContext:
         """The context of submodule ``name``: ``ctx.child("layers.3")`` under prefix

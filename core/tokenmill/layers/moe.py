@@ -13,19 +13,24 @@ method (a quant-method slot, as for the linear layers: the quantization config's
 ``get_moe_method``, float by default) runs the experts through the platform's
 ``fused_moe`` layer op. Under tensor parallelism every expert is split by its
 intermediate dimension (each rank holds ``I / world_size`` gate, up and down columns
-of every expert), and the ranks' partial outputs are summed by an all-reduce.
+of every expert), and the ranks' partial outputs are summed by an all-reduce. With expert
+parallelism (``ModelBuildContext.expert_parallel``) each rank instead holds whole experts
+(:class:`~tokenmill.layers.expert_parallel.ExpertPlacement`), runs the token-expert pairs of
+those, and the same all-reduce combines them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Literal, Protocol, cast
 
 import torch
 from torch import nn
 
 from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.expert_parallel import ExpertPlacement
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.ops import layer_ops
 
@@ -36,6 +41,8 @@ EXPERT_NAMES: dict[str, Projection] = {"w1": "gate", "w3": "up", "w2": "down", "
 # ``3.w1.weight``; a quantized checkpoint's other leaves (``3.w1.qweight``) load into the
 # method's ``{stack}_{leaf}`` parameter (``gate_up_proj_qweight``)
 _PER_EXPERT = re.compile(r"^(\d+)\.(\w+)\.(\w+)$")
+# a whole checkpoint name: the layer's prefix, then the per-expert part
+_PREFIXED_PER_EXPERT = re.compile(r"^(.+)\.(\d+\.\w+\.\w+)$")
 
 
 class FusedMoEMethod(Protocol):
@@ -76,7 +83,10 @@ class ExpertShardLoader:
     ``[shard * I_rank, (shard + 1) * I_rank)`` of expert ``e``; ``"down"`` an expert's
     ``[H, I]``. Without ``expert_id`` the tensor is the whole stack (an already-fused
     checkpoint). Under tensor parallelism this rank's slice of the intermediate
-    dimension is cut out first. ``loaded`` records what came, for the completeness check.
+    dimension is cut out first. Under expert parallelism the stack holds this rank's experts only:
+    ``expert_id`` indexes that stack (global id ``expert_offset + expert_id``, as names and errors
+    give it), and a whole stack's ``local_experts`` experts from ``expert_offset`` are cut out.
+    ``loaded`` records what came (by stack index), for the completeness check.
     """
 
     prefix: str
@@ -84,20 +94,23 @@ class ExpertShardLoader:
     rank: int = 0
     world_size: int = 1
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # as the checkpoint names them
+    expert_offset: int = 0  # the global id of the stack's first expert
+    local_experts: int | None = None  # experts in the stack, when fewer than the checkpoint's (None: all)
     loaded: set[tuple[int | None, str]] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None,
                  expert_id: int | None = None) -> None:
         layout: str = param.expert_layout  # type: ignore[attr-defined]  # set by FusedMoE.add_parameter
         name = self.tensor_name(layout, shard_id, expert_id)
+        part = loaded if expert_id is not None else self._own_experts(loaded)
         if layout == "gate_up":
-            target, source = self._gate_up(param, loaded, shard_id, expert_id, name)
+            target, source = self._gate_up(param, part, shard_id, expert_id, name)
         else:
             target = param.data if expert_id is None else param.data[expert_id]
-            source = self._rank_part(loaded, loaded.dim() - 1, loaded.shape[-1] if loaded.dim() else 0)
+            source = self._rank_part(part, part.dim() - 1, part.shape[-1] if part.dim() else 0)
         if target.shape != source.shape:
-            raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
-                             f"{'expert ' + str(expert_id) + ' of ' if expert_id is not None else ''}"
+            expert = "" if expert_id is None else f"expert {self.expert_offset + expert_id} of "
+            raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit {expert}"
                              f"{self.prefix}.{'gate_up_proj' if layout == 'gate_up' else 'down_proj'} "
                              f"(expects {tuple(target.shape)} on this rank)")
         target.copy_(source)
@@ -118,6 +131,12 @@ class ExpertShardLoader:
         target = param.data[expert_id].narrow(0, shard_id * inter, inter)
         return target, self._rank_part(loaded, 0, loaded.shape[0] if loaded.dim() else 0)
 
+    def _own_experts(self, stack: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole checkpoint stack (a stack that is too short fails the shape check)."""
+        if self.local_experts is None or stack.dim() == 0 or stack.shape[0] < self.expert_offset + self.local_experts:
+            return stack
+        return stack.narrow(0, self.expert_offset, self.local_experts)
+
     def _rank_part(self, loaded: torch.Tensor, dim: int, total: int) -> torch.Tensor:
         if self.world_size == 1 or total % self.world_size:
             return loaded  # (a size that does not split fails the shape check)
@@ -128,6 +147,7 @@ class ExpertShardLoader:
         """The checkpoint tensor a load is for, as the errors name it."""
         if expert_id is None:
             return f"{self.prefix}.{'gate_up_proj' if layout == 'gate_up' else 'down_proj'}"
+        expert_id += self.expert_offset
         if layout == "down":
             return f"{self.prefix}.{expert_id}.{self.expert_names[2]}.weight"
         if shard_id in (0, 1):
@@ -143,7 +163,12 @@ class FusedMoE(nn.Module):
     can then add a shared expert's partial output first and reduce once).
 
     ``expert_names``: the checkpoint's names of an expert's (gate, up, down) tensors,
-    used by the errors that name a missing one."""
+    used by the errors that name a missing one.
+
+    Built with ``ctx.expert_parallel`` over several ranks, the layer holds ``placement``'s
+    whole experts (``num_local_experts`` of the ``num_experts``, global ids from
+    ``placement.first``) at the full intermediate size; ``forward``'s contract is unchanged.
+    ``num_experts``, routing and the ``expert_load`` counters stay global."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: MoERouting, *,
                  ctx: ModelBuildContext | None = None, quant_method: FusedMoEMethod | None = None,
@@ -153,19 +178,25 @@ class FusedMoE(nn.Module):
         ctx = ctx if ctx is not None else ModelBuildContext(hf_config=None)
         if routing.top_k > num_experts:
             raise ValueError(f"num_experts_per_tok {routing.top_k} exceeds the {num_experts} experts")
-        if intermediate_size % ctx.world_size:
+        expert_parallel = ctx.expert_parallel and ctx.world_size > 1
+        self.placement = (ExpertPlacement.for_rank(num_experts, ctx.rank, ctx.world_size) if expert_parallel
+                          else ExpertPlacement(num_experts))
+        split = 1 if expert_parallel else ctx.world_size  # ranks each expert's intermediate dimension splits over
+        if intermediate_size % split:
             raise ValueError(f"{ctx.prefix}: an expert intermediate size of {intermediate_size} does not split "
                              f"over {ctx.world_size} ranks")
         self.num_experts = num_experts
+        self.num_local_experts = self.placement.count
         self.hidden_size = hidden_size
-        self.intermediate_size_per_rank = intermediate_size // ctx.world_size
+        self.intermediate_size_per_rank = intermediate_size // split
         self.routing = routing
         self.prefix = ctx.prefix
         self.expert_names = expert_names
         self.comm = ctx.comm
         self.reduce_results = reduce_results
-        self.loader = ExpertShardLoader(ctx.prefix, self.intermediate_size_per_rank, ctx.rank, ctx.world_size,
-                                        expert_names)
+        self.loader = ExpertShardLoader(ctx.prefix, self.intermediate_size_per_rank, 0 if expert_parallel else ctx.rank,
+                                        split, expert_names, expert_offset=self.placement.first,
+                                        local_experts=self.placement.count if expert_parallel else None)
         self.register_parameter("e_score_correction_bias", None)
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
@@ -173,7 +204,7 @@ class FusedMoE(nn.Module):
         # tokens routed to each expert since the model was built (or last reset): one bincount a step
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.quant_method: FusedMoEMethod = quant_method or ctx.moe_method(self) or UnquantizedFusedMoEMethod()
-        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size_per_rank,
+        self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate_size_per_rank,
                                          ctx.params_dtype)
 
     def add_parameter(self, name: str, data: torch.Tensor, *, layout: str | None = None) -> nn.Parameter:
@@ -191,8 +222,23 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         load = cast(torch.Tensor, self.expert_load)
         load += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-        out = self.quant_method.apply(self, hidden, weights, ids)
+        if self.placement.is_partial:
+            out = self._apply_held_experts(hidden, weights, ids)
+        else:
+            out = self.quant_method.apply(self, hidden, weights, ids)
         return self.comm.all_reduce(out) if self.reduce_results else out
+
+    def _apply_held_experts(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: the token-expert pairs whose expert this rank holds, run by the
+        method as one-expert rows (so any method's kernel serves), weighted and added back to
+        their tokens; zeros for the tokens none of whose experts are here."""
+        tokens, slots, local_ids = self.placement.local_pairs(ids)
+        out = torch.zeros_like(hidden)
+        if tokens.numel():
+            rows = self.quant_method.apply(self, hidden[tokens], weights[tokens, slots].unsqueeze(1),
+                                           local_ids.unsqueeze(1))
+            out.index_add_(0, tokens, rows.to(out.dtype))
+        return out
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str:
         """Load the checkpoint tensor ``{prefix}.{name}``: ``3.w1.weight`` (per expert), or
@@ -211,7 +257,9 @@ class FusedMoE(nn.Module):
             if not isinstance(param, nn.Parameter) or getattr(param, "weight_loader", None) is None:
                 raise KeyError(f"checkpoint tensor '{self.prefix}.{name}' has no per-expert parameter in the "
                                f"MoE layer (its method is {type(self.quant_method).__name__})")
-            param.weight_loader(param, tensor, shard, expert_id=expert)  # type: ignore[attr-defined]  # checked above
+            if self.placement.holds(expert):  # (another rank's expert is that rank's to load)
+                param.weight_loader(param, tensor, shard,  # type: ignore[attr-defined]  # checked above
+                                    expert_id=expert - self.placement.first)
             return param_name
         params = dict(self.named_parameters(recurse=False))
         if name not in params:
@@ -227,9 +275,16 @@ class FusedMoE(nn.Module):
             param.data.copy_(tensor)
         return name
 
+    def holds_checkpoint_tensor(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``{prefix}.{name}`` has a place on this rank: False only
+        for a per-expert tensor of an expert another rank holds (expert parallelism)."""
+        match = _PER_EXPERT.match(name)
+        return match is None or match.group(2) not in EXPERT_NAMES or self.placement.holds(int(match.group(1)))
+
     def missing_checkpoint_tensors(self) -> list[str]:
-        """The per-expert checkpoint tensors not loaded yet (none once a stacked one came);
-        a method with tensors of its own (a quantized checkpoint's) answers for them."""
+        """The per-expert checkpoint tensors of this rank's experts not loaded yet (none once a
+        stacked one came); a method with tensors of its own (a quantized checkpoint's) answers
+        for them."""
         method_check = getattr(self.quant_method, "missing_checkpoint_tensors", None)
         if method_check is not None:
             return cast(list[str], method_check(self))
@@ -239,11 +294,11 @@ class FusedMoE(nn.Module):
         for layout, names in (("gate_up", {0: gate, 1: up}), ("down", {None: down})):
             if (None, layout) in done:
                 continue
-            for expert in range(self.num_experts):
+            for local in range(self.num_local_experts):
                 for shard, checkpoint_name in names.items():
                     key = layout if shard is None else f"{layout}.{shard}"
-                    if (expert, key) not in done:
-                        missing.append(f"{self.prefix}.{expert}.{checkpoint_name}.weight")
+                    if (local, key) not in done:
+                        missing.append(f"{self.prefix}.{self.placement.first + local}.{checkpoint_name}.weight")
         return missing
 
 
@@ -256,6 +311,23 @@ def check_experts_loaded(model: nn.Module) -> None:
             if missing:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise ValueError(f"the checkpoint lacks expert tensor {missing[0]}{more}")
+
+
+def held_checkpoint_tensors(model: nn.Module) -> Callable[[str], bool] | None:
+    """Under expert parallelism, which checkpoint tensors this rank's ``model`` loads: a test of
+    a checkpoint name that is False for the per-expert tensors of other ranks' experts, so the
+    loader need not read them. None when every MoE layer holds all its experts."""
+    layers = {module.prefix: module for module in model.modules()
+              if isinstance(module, FusedMoE) and module.placement.is_partial}
+    if not layers:
+        return None
+
+    def holds(name: str) -> bool:
+        match = _PREFIXED_PER_EXPERT.match(name)
+        layer = layers.get(match.group(1)) if match is not None else None
+        return layer is None or layer.holds_checkpoint_tensor(cast(re.Match[str], match).group(2))
+
+    return holds
 
 
 def expert_load_by_layer(model: nn.Module, reset: bool = False) -> dict[str, list[int]]:

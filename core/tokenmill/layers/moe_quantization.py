@@ -83,19 +83,22 @@ def apply_experts_one_by_one(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
 
 def expert_tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert_id: int | None, leaf: str) -> str:
     """The checkpoint name of one expert's ``leaf`` tensor (``<prefix>.<expert>.<w1|gate_proj...>.<leaf>``),
-    or, without an expert, the stacked parameter's (``<prefix>.<stack>_<leaf>``): what errors name."""
+    or, without an expert, the stacked parameter's (``<prefix>.<stack>_<leaf>``): what errors name.
+    ``expert_id`` is the expert's index in the layer's stack, as weight loaders get it (under expert
+    parallelism the name carries its global id)."""
     if expert_id is None:
         return f"{layer.prefix}.{stack}_{leaf}"
     projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
-    return f"{layer.prefix}.{expert_id}.{projection}.{leaf}"
+    return f"{layer.prefix}.{layer.placement.first + expert_id}.{projection}.{leaf}"
 
 
 def missing_expert_tensors(layer: FusedMoE, loaded: set[tuple[int, str, int | None, str]],
                            leaves: tuple[str, ...]) -> list[str]:
-    """The checkpoint names of each expert's ``leaves`` that are not in ``loaded`` (keyed
-    ``(expert, stack, shard, leaf)``: gate and up are shards 0 and 1 of ``gate_up_proj``)."""
+    """The checkpoint names of each of the layer's experts' ``leaves`` that are not in ``loaded``
+    (keyed ``(expert in the stack, stack, shard, leaf)``: gate and up are shards 0 and 1 of
+    ``gate_up_proj``)."""
     return [expert_tensor_name(layer, stack, shard, expert, leaf)
-            for expert in range(layer.num_experts)
+            for expert in range(layer.num_local_experts)
             for stack, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,)))
             for shard in shards for leaf in leaves
             if (expert, stack, shard, leaf) not in loaded]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 WeightsIterator = Iterator[tuple[str, torch.Tensor]]
+NameFilter = Callable[[str], bool]
 
 
 @dataclass
@@ -20,6 +21,8 @@ class Checkpoint:
     ``(name, tensor)`` pairs under Hugging Face parameter names, lazily, so a
     loader never holds two copies of the model; ``tokenizer`` is a
     ``transformers`` tokenizer (or ``None`` when the checkpoint has none).
+    ``select_weights``, where the format can skip a tensor without reading it (safetensors),
+    yields only the pairs whose names pass a filter (:meth:`weights_where`).
     """
 
     path: Path
@@ -28,6 +31,14 @@ class Checkpoint:
     tokenizer: Any
     generation_config: dict[str, Any] = field(default_factory=dict)
     format: str = "safetensors"
+    select_weights: Callable[[NameFilter], WeightsIterator] | None = None
+
+    def weights_where(self, keep: NameFilter) -> WeightsIterator:
+        """The ``(name, tensor)`` pairs whose name ``keep`` accepts; the others are not read where
+        the format allows (an expert-parallel rank skips the other ranks' experts)."""
+        if self.select_weights is not None:
+            return self.select_weights(keep)
+        return ((name, tensor) for name, tensor in self.weights() if keep(name))
 
     @property
     def text_config(self) -> Any:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,12 +26,16 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(files: list[Path], dtype: torch.dtype,
+                        keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` (or those whose name ``keep`` accepts: the others are never read)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if keep is not None and not keep(name):
+                    continue
                 tensor = f.get_tensor(name)
                 yield name, tensor.to(dtype) if _is_float_to_cast(tensor) else tensor
 
@@ -55,6 +59,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype, tokenizer: str | N
         path=folder,
         hf_config=hf_config,
         weights=lambda: iterate_safetensors(files, dtype),
+        select_weights=lambda keep: iterate_safetensors(files, dtype, keep),
         tokenizer=tok,
         generation_config=json.loads(generation.read_text()) if generation.is_file() else {},
     )

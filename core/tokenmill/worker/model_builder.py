@@ -12,6 +12,7 @@ import torch
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import SINGLE_RANK, Communicator
 from tokenmill.layers.linear import process_weights_after_loading
+from tokenmill.layers.moe import held_checkpoint_tensors
 from tokenmill.layers.ops import layer_ops
 from tokenmill.layers.pipeline import SINGLE_STAGE, PipelineStage
 from tokenmill.layers.quantization import QuantizationConfig
@@ -34,7 +35,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                 progress: bool = False, *, quant_config: QuantizationConfig | None = None,
-                comm: Communicator = SINGLE_RANK, stage: PipelineStage = SINGLE_STAGE) -> CausalLM:
+                comm: Communicator = SINGLE_RANK, stage: PipelineStage = SINGLE_STAGE,
+                expert_parallel: bool = False) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
     The model is built as ``model_cls(hf_config, ctx=ModelBuildContext(...))``
@@ -42,15 +44,18 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
     taking their methods from ``quant_config``. Every parameter must come from the
     checkpoint: a missing one is an error, not a silently random weight. ``comm``: the
     tensor-parallel group this rank builds its share of the model for (one rank: all of it);
-    ``stage``: the pipeline stage it builds the layers of (one stage: all of them).
+    ``stage``: the pipeline stage it builds the layers of (one stage: all of them);
+    ``expert_parallel``: its MoE layers hold whole experts, a share of them, rather than a
+    slice of every expert (the checkpoint's tensors of other ranks' experts are not read).
     """
     ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, rank=comm.rank,
                             world_size=comm.world_size, process_group=comm.group, comm=comm, params_dtype=dtype,
-                            layer_ops=layer_ops(device), pipeline=stage)
+                            layer_ops=layer_ops(device), pipeline=stage, expert_parallel=expert_parallel)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(checkpoint.hf_config, ctx=ctx)
     kv_scales = KVScales()
-    weights = kv_scales.filter(checkpoint.weights())
+    held = held_checkpoint_tensors(model)
+    weights = kv_scales.filter(checkpoint.weights() if held is None else checkpoint.weights_where(held))
     if progress:
         from tqdm import tqdm
 

@@ -151,7 +151,7 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
     device = platform.device()
     quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
     model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config, comm=comm,
-                        stage=stage)
+                        stage=stage, expert_parallel=config.enable_expert_parallel)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     needs = AttentionRequirements(
         device_type=platform.device_type,

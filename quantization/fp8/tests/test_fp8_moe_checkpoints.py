@@ -46,14 +46,19 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def _token_by_token(x, floats, weights, ids) -> torch.Tensor:
+def _token_by_token(x, floats, weights, ids, down_parts: int = 1) -> torch.Tensor:
     """Each token through each of its experts on the dequantised weights, the activations
-    rounded per token before each matmul: no stacking, no grouping by expert."""
+    rounded per token before each matmul: no stacking, no grouping by expert. ``down_parts``:
+    the down projection's input rounded in that many parts (a tensor-parallel rank's each)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot, e in enumerate(ids[t].tolist()):
             gate, up = (_rounded(x[t:t + 1]) @ floats[f"{e}.w1.weight"].t(), _rounded(x[t:t + 1]) @ floats[f"{e}.w3.weight"].t())
-            out[t] += weights[t, slot] * (_rounded(torch.nn.functional.silu(gate) * up) @ floats[f"{e}.w2.weight"].t())[0]
+            hidden = torch.nn.functional.silu(gate) * up
+            down = sum(_rounded(part) @ w.t() for part, w in zip(hidden.chunk(down_parts, dim=1),
+                                                                 floats[f"{e}.w2.weight"].chunk(down_parts, dim=1),
+                                                                 strict=True))
+            out[t] += weights[t, slot] * down[0]
     return out
 
 
@@ -100,3 +105,34 @@ def test_fp8_moe_checkpoint_agrees_with_transformers_on_dequantised_weights(sche
     agreement = agreement_with_transformers(dequantized, prompts, tokens, logprobs)
     assert agreement.fraction >= 0.95, agreement
     assert (tokens, logprobs) != greedy_with_logprobs(float_folder, prompts, 12), "quantization changed nothing"
+
+
+@pytest.mark.parametrize("scheme", ["per-tensor", "per-channel"])
+def test_serialized_fp8_experts_split_over_two_tensor_parallel_ranks(scheme):
+    """Each rank holds half of every expert's gate/up rows, with their per-row scales, and half of
+    its down columns; the two partial outputs add up to the token-by-token reference whose down
+    activations are rounded per token in the ranks' two halves (as each rank rounds its own)."""
+    from tokenmill.layers import ModelBuildContext
+
+    tensors, floats = _serialized(scheme, seed=3)
+    whole = _layer(Fp8SerializedMoEMethod())
+    for name, tensor in tensors.items():
+        whole.load_checkpoint_tensor(name, tensor)
+    whole.quant_method.process_weights_after_loading(whole)  # type: ignore[attr-defined]
+    torch.manual_seed(3)
+    x, logits = torch.randn(17, HIDDEN), torch.randn(17, NUM_EXPERTS)
+    weights, ids = select_experts(logits, whole.routing)
+    expected = _token_by_token(x, floats, weights, ids, down_parts=2)
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        ctx = ModelBuildContext(hf_config=None, rank=rank, world_size=2, params_dtype=torch.float32)
+        layer = FusedMoE(NUM_EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), ctx=ctx,
+                         quant_method=Fp8SerializedMoEMethod(), expert_names=NAMES, reduce_results=False)
+        for name, tensor in tensors.items():
+            layer.load_checkpoint_tensor(name, tensor)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+        assert layer.gate_up_proj_scale.shape == (NUM_EXPERTS, INTER)
+        torch.testing.assert_close(layer.gate_up_proj_scale[:, :INTER // 2],
+                                   whole.gate_up_proj_scale[:, rank * INTER // 2:(rank + 1) * INTER // 2])
+        total += layer(x, logits)
+    assert ((total - expected).norm() / expected.norm()).item() < 2e-3

@@ -66,7 +66,8 @@ class Fp8SerializedMoEMethod(OnlineQuantizedMoEMethod):
             scale = cast(torch.nn.Parameter, getattr(layer, f"{name}_weight_scale"))
             missing = scale.isnan().any(dim=1).nonzero().flatten().tolist()
             if missing:
-                raise ValueError(f"{layer.prefix}: the checkpoint has no weight_scale for expert {missing[0]}'s "
+                expert = layer.placement.first + missing[0]  # (its global id under expert parallelism)
+                raise ValueError(f"{layer.prefix}: the checkpoint has no weight_scale for expert {expert}'s "
                                  f"{name} ({len(missing)} expert(s) without one)")
             layer.register_parameter(f"{name}_scale", scale)  # the name the online method's apply reads
 
@@ -83,12 +84,17 @@ def _load_expert_fp8(layer: FusedMoE, param: torch.nn.Parameter, loaded: torch.T
 def _load_expert_scale(layer: FusedMoE, stack: str, width: int, param: torch.nn.Parameter, loaded: torch.Tensor,
                        shard_id: int | None = None, expert_id: int | None = None) -> None:
     """One expert's scale for its gate (shard 0), up (1) or down rows: one value per tensor
-    (repeated over the rows) or one per row."""
+    (repeated over the rows) or one per row. Under tensor parallelism a rank holds a slice of
+    each expert's gate and up rows (the loader cuts the weight's), so it takes that slice of
+    their per-row scales; the down rows (the hidden size) are not split."""
     if expert_id is None:
         raise ValueError(f"{layer.prefix}.{stack}_weight_scale: FP8 expert scales are read per expert "
                          "(experts.N.<projection>.weight_scale)")
     target = param.data[expert_id] if shard_id is None else param.data[expert_id].narrow(0, shard_id * width, width)
     rows = target.shape[0]
+    ranks = layer.loader.world_size
+    if shard_id is not None and ranks > 1 and loaded.numel() == rows * ranks:
+        loaded = loaded.reshape(-1).narrow(0, layer.loader.rank * rows, rows)
     if loaded.numel() == 1:
         loaded = loaded.reshape(1).expand(rows)
     elif loaded.numel() != rows or loaded.dim() > 2 or (loaded.dim() == 2 and loaded.shape[1] != 1):

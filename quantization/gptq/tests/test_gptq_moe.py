@@ -134,3 +134,31 @@ def test_gptq_moe_checkpoint_generates_like_transformers_on_dequantised_weights(
     assert agreement.fraction == 1.0, agreement
     assert agreement.max_logprob_error <= 1e-3, agreement
     assert (tokens, logprobs) != greedy_with_logprobs(float_folder, prompts, MAX_NEW), "quantization changed nothing"
+
+
+def test_gptq_experts_placed_whole_on_two_expert_parallel_ranks_sum_to_the_whole_layer():
+    """Expert parallelism: each rank stacks its 4 experts' packed tensors (the loader's
+    ``expert_id`` is the index in that stack), skips the others', and the two partial outputs
+    add up to the one-rank layer's; a missing tensor is named by its global expert id."""
+    from tokenmill.layers import ModelBuildContext
+
+    recipe = RECIPES[1]  # desc_act: each expert's g_idx travels with it
+    tensors, _, _ = _expert_tensors(recipe, seed=5)
+    whole = _loaded_layer(recipe, tensors)
+    torch.manual_seed(5)
+    x, logits = torch.randn(9, HIDDEN), torch.randn(9, NUM_EXPERTS)
+    total = torch.zeros(9, HIDDEN)
+    for rank in range(2):
+        ctx = ModelBuildContext(hf_config=None, prefix="experts", rank=rank, world_size=2,
+                                params_dtype=torch.float32, expert_parallel=True)
+        layer = FusedMoE(NUM_EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), ctx=ctx,
+                         quant_method=GptqFusedMoEMethod(_scheme(recipe)), expert_names=NAMES, reduce_results=False)
+        for name, tensor in tensors.items():
+            if name != f"{4 * rank + 1}.w2.qzeros":
+                layer.load_checkpoint_tensor(name, tensor)
+        assert layer.missing_checkpoint_tensors() == [f"experts.{4 * rank + 1}.w2.qzeros"]
+        layer.load_checkpoint_tensor(f"{4 * rank + 1}.w2.qzeros", tensors[f"{4 * rank + 1}.w2.qzeros"])
+        assert layer.gate_up_proj_qweight.shape == (4, HIDDEN // 8, 2 * INTER)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+        total += layer(x, logits)
+    torch.testing.assert_close(total, whole(x, logits), rtol=1e-5, atol=1e-5)

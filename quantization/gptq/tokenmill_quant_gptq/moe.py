@@ -88,7 +88,8 @@ class GptqFusedMoEMethod:
         target = expert if shard_id is None else expert.narrow(1, shard_id * width, width)
         if source.shape != target.shape:
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
-                             f"{expert_id} of {layer.prefix}.{stack}_{leaf} (expects {tuple(target.shape)}"
+                             f"{layer.placement.first + expert_id} of {layer.prefix}.{stack}_{leaf} "
+                             f"(expects {tuple(target.shape)}"
                              f"{' unpacked' if leaf == 'qzeros' else ''}; group_size {self.scheme.group_size})")
         target.copy_(source)
         self.loaded.add((expert_id, stack, shard_id, leaf))
