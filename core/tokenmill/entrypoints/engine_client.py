@@ -195,6 +195,7 @@ class EngineProcessClient:
         except BaseException as exc:
             logger.exception("the engine client's receiver failed")
             self._mark_dead(exc)
+        self.process.join(_STOP_TIMEOUT_S)  # reap it: a process that reported its death exits next
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         self._beat()
