@@ -13,12 +13,15 @@ import os
 import signal
 
 import pytest
+from lora_models import ADAPTERS, build_adapter
 
 from tokenmill import AsyncLLM, EngineDeadError, InvalidRequestError, InvalidStateTransition, SamplingParams
+from tokenmill.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 
-ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory": "16MiB", "dtype": "float32"}
+ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory": "16MiB", "dtype": "float32", "enable_lora": True,
+               "max_lora_rank": 8}
 HANG_GUARD_S = 60  # a failure that would otherwise hang the test ends it here instead
 
 
@@ -33,6 +36,11 @@ class RecordingStatLogger:
 @pytest.fixture(scope="module")
 def stat_logger() -> RecordingStatLogger:
     return RecordingStatLogger()
+
+
+@pytest.fixture(scope="module")
+def adapter(llama_path, tmp_path_factory) -> LoRARequest:
+    return LoRARequest("attn-r4", 1, str(build_adapter(llama_path, tmp_path_factory.mktemp("lora"), **ADAPTERS["attn-r4"])))
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +67,20 @@ async def _eventually(condition) -> bool:
     return False
 
 
-def test_outputs_are_the_in_thread_modes(engine, llama_path):
-    """Greedy and seeded sampling (n=2), text and tokens: the same as the engine stepped on a thread."""
+def test_outputs_are_the_in_thread_modes(engine, llama_path, adapter):
+    """Greedy, seeded sampling (n=2) and a LoRA adapter's greedy, text and tokens: the same as the
+    engine stepped on a thread."""
     requests = [({"prompt_token_ids": [5, 6, 7, 8, 9]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
                 ("Hello there", SamplingParams(temperature=0, max_tokens=8)),
                 ({"prompt_token_ids": [3, 4]}, SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=6,
                                                               ignore_eos=True))]
 
     async def finals(llm):
-        results = await asyncio.gather(*[_collect(llm, p, s) for p, s in requests])
+        assert await llm.add_lora(adapter) and [lora.lora_name for lora in llm.list_loras()] == ["attn-r4"]
+        with_lora = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, requests[0][1], lora_request=adapter)
+        results = await asyncio.gather(*[_collect(llm, p, s) for p, s in requests], _drain(with_lora, keep=True))
+        await llm.remove_lora("attn-r4")
+        assert llm.list_loras() == []
         return [[(c.token_ids, c.text, c.finish_reason) for c in r[-1].outputs] for r in results]
 
     in_thread = AsyncLLM(str(llama_path), **ENGINE_ARGS)
@@ -75,6 +88,7 @@ def test_outputs_are_the_in_thread_modes(engine, llama_path):
         expected = asyncio.run(finals(in_thread))
     finally:
         in_thread.shutdown()
+    assert expected[-1] != expected[0]  # the adapter moved the output
     assert asyncio.run(finals(engine)) == expected
     assert _all_blocks_free(engine)
 
@@ -119,14 +133,16 @@ def test_bad_input_fails_in_the_caller_and_the_engine_goes_on(engine):
     async def run():
         with pytest.raises(InvalidRequestError, match="empty"):
             await _collect(engine, "", SamplingParams())
-        with pytest.raises(InvalidRequestError) as error:  # the engine process's error, with its fields
-            await engine.add_lora(LoRARequest("adapter", 1, "/nowhere"))
+        with pytest.raises(LoRAAdapterError, match="nowhere"):  # the engine process's errors, as they were
+            await engine.add_lora(LoRARequest("adapter", 9, "/nowhere"))
+        with pytest.raises(LoRAAdapterNotFoundError) as error:
+            await engine.remove_lora("unknown")
         return error.value, await _collect(engine, {"prompt_token_ids": [1, 2, 3]},
                                            SamplingParams(max_tokens=2, ignore_eos=True))
 
-    lora_error, outputs = asyncio.run(run())
-    assert "enable_lora" in str(lora_error) and lora_error.param == "lora_request"
-    assert outputs[-1].finished and engine.is_running
+    not_found, outputs = asyncio.run(run())
+    assert str(not_found) == str(LoRAAdapterNotFoundError("unknown")) and not_found.param == "model"
+    assert outputs[-1].finished and engine.is_running and engine.list_loras() == []
 
 
 def test_stat_loggers_run_here_on_what_the_engine_records(engine, stat_logger):
@@ -175,6 +191,5 @@ def test_shutdown_stops_the_engine_process(engine):
         asyncio.run(_collect(engine, "hi", SamplingParams(max_tokens=2)))
 
 
-async def _drain(agen) -> None:
-    async for _ in agen:
-        pass
+async def _drain(agen, keep: bool = False) -> list:
+    return [out async for out in agen if keep]

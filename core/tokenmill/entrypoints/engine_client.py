@@ -37,7 +37,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import PreparedRequest, build_input_processor, prepare_request
 from tokenmill.engine.model_info import ModelInfo
-from tokenmill.entrypoints.engine_process import EngineState, run_engine_process
+from tokenmill.entrypoints.engine_process import EngineState, rebuild_exception, run_engine_process
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.model_loader.loader import load_checkpoint
@@ -170,7 +170,7 @@ class EngineProcessClient:
                                         "while it was starting")
         kind, *values = pickle.loads(self._outputs.recv())
         if kind == "failed":
-            raise values[0]
+            raise rebuild_exception(values[0])
         return values[0], values[1]
 
     def _build_front_end(self) -> None:
@@ -210,7 +210,7 @@ class EngineProcessClient:
             _, call_id, ok, value = message
             future = self._calls.pop(call_id, None)
             if future is not None and future.set_running_or_notify_cancel():
-                future.set_result(value) if ok else future.set_exception(value)
+                future.set_result(value) if ok else future.set_exception(rebuild_exception(value))
         elif kind == "dead":
             self._mark_dead(EngineProcessDied(f"the engine process's loop raised {message[1]}"))
 

@@ -10,10 +10,11 @@ command waiting (non-blocking); idle, it waits on the command socket.
 Messages are pickled tuples. Commands (API -> engine): ``(call_id, name, payload)``. Replies
 (engine -> API), in order on one socket, so the outputs an abort made arrive before its reply:
 
-* ``("ready", ModelInfo, EngineState)`` once the engine is built, or ``("failed", exception)``;
+* ``("ready", ModelInfo, EngineState)`` once the engine is built, or
+  ``("failed", exception_record(exception))``;
 * ``("outputs", [RequestOutput], EngineState, [(SchedulerSnapshot, IterationStats)])`` after a
   step that produced something, and at least every ``HEARTBEAT_S`` (the API side's heartbeat);
-* ``("reply", call_id, ok, result or exception)`` for every command;
+* ``("reply", call_id, ok, result or exception_record(exception))`` for every command;
 * ``("dead", description)`` when the loop raised: the process then exits.
 """
 
@@ -80,7 +81,7 @@ def run_engine_process(config: EngineConfig, command_address: str, output_addres
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
-        outputs.send(pickle.dumps(("failed", picklable(exc))))
+        outputs.send(pickle.dumps(("failed", exception_record(exc))))
         outputs.close()
         context.term()
         return
@@ -139,7 +140,7 @@ class _EngineLoop:
             try:
                 result, ok = self.handlers[name](payload), True
             except Exception as exc:  # the caller's to handle; the loop goes on
-                result, ok = picklable(exc), False
+                result, ok = exception_record(exc), False
             self._flush(force=True)  # outputs an abort made go before its reply
             self.outputs.send(pickle.dumps(("reply", call_id, ok, result)))
 
@@ -174,9 +175,24 @@ class _EngineLoop:
         self.stopping = True
 
 
-def picklable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling (our errors do), else a RuntimeError that describes it."""
+ExceptionRecord = tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]
+
+
+def exception_record(exc: BaseException) -> ExceptionRecord:
+    """What rebuilds ``exc`` in the other process without calling its ``__init__`` (ours take
+    other arguments than their message): its class, ``args`` and attributes. One that does not
+    pickle becomes a RuntimeError that describes it."""
+    record: ExceptionRecord = (type(exc), exc.args, dict(vars(exc)))
     try:
-        return pickle.loads(pickle.dumps(exc))  # type: ignore[no-any-return]
+        pickle.dumps(record)
     except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+        return RuntimeError, (f"{type(exc).__name__}: {exc}",), {}
+    return record
+
+
+def rebuild_exception(record: ExceptionRecord) -> BaseException:
+    cls, args, state = record
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
