@@ -70,6 +70,7 @@ class EngineProcessClient:
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # no bound: a burst of adds during a long step never blocks a sender
         self._commands.bind(f"ipc://{self._folder}/commands")
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.bind(f"ipc://{self._folder}/outputs")

@@ -74,6 +74,7 @@ def run_engine_process(config: EngineConfig, command_address: str, output_addres
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
+    commands.setsockopt(zmq.RCVHWM, 0)  # every command the API side sent waits here, however many
     commands.connect(command_address)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)  # the last message ("dead") still leaves after close
