@@ -16,6 +16,7 @@ import pytest
 from lora_models import ADAPTERS, build_adapter
 
 from tokenmill import AsyncLLM, EngineDeadError, InvalidRequestError, InvalidStateTransition, SamplingParams
+from tokenmill.errors import ModelNotFoundError
 from tokenmill.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
@@ -154,6 +155,11 @@ def test_stat_loggers_run_here_on_what_the_engine_records(engine, stat_logger):
 
     assert asyncio.run(recorded())
     assert any(f.num_generation_tokens == 5 for i in stat_logger.iterations for f in i.finished)
+
+
+def test_an_engine_that_cannot_be_built_raises_its_error_from_the_constructor(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):  # the engine process's, rebuilt here
+        AsyncLLM(str(tmp_path / "no-such-model"), engine_process=True)
 
 
 def test_a_killed_engine_process_fails_open_and_later_requests(llama_path):

@@ -38,6 +38,7 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import PreparedRequest, build_input_processor, prepare_request
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.engine_process import EngineState, rebuild_exception, run_engine_process
+from tokenmill.errors import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.model_loader.loader import load_checkpoint
@@ -131,7 +132,7 @@ class EngineProcessClient:
         """Send ``command``; the future holds the engine's answer (or its exception)."""
         future: Future[Any] = Future()
         if self._dead is not None:
-            future.set_exception(self._dead)
+            future.set_exception(_dead_error(self._dead))
             return future
         call_id = next(self._call_ids)
         self._calls[call_id] = future
@@ -232,12 +233,10 @@ class EngineProcessClient:
             self._die(exc)
 
     def _fail_calls(self, exc: BaseException) -> None:
-        from tokenmill.errors import EngineDeadError
-
         while self._calls:
             _, future = self._calls.popitem()
             if future.set_running_or_notify_cancel():
-                future.set_exception(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+                future.set_exception(_dead_error(exc))
 
     def _track_lora(self, command: str, payload: Any, done: Future[Any]) -> None:
         if done.cancelled() or done.exception() is not None:
@@ -253,3 +252,6 @@ class EngineProcessClient:
         self._context.term()
         shutil.rmtree(self._folder, ignore_errors=True)
 
+
+def _dead_error(exc: BaseException) -> EngineDeadError:
+    return EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
