@@ -377,6 +377,15 @@ def test_serve_against_tokenmill_serve(server: str, model_dir: Path, ctx: Datase
         assert_ordered(r, metric)
 
 
+def test_serve_beside_a_busy_process_reports_the_quiet_run_too(server: str, model_dir: Path, tmp_path: Path) -> None:
+    r = bench_json(tmp_path, "serve", ["--base-url", server, "--model", str(model_dir), "--num-prompts", "3",
+                                       "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
+                                       "--disable-tqdm", "--background-load", "1", "--background-kind", "python"])
+    assert (r["completed"], r["failed"], r["background_load"], r["background_kind"]) == (3, 0, 1, "python")
+    assert r["relative_total_token_throughput"] == pytest.approx(
+        r["total_token_throughput"] / r["quiet_total_token_throughput"])
+
+
 def test_structured_output_cost_runs_both_ways(model_dir: Path, tmp_path: Path) -> None:
     r = bench_json(tmp_path, "throughput", ["--model", str(model_dir), *RANDOM_RUN, "--peak-gflops", "100",
                                             "--structured-output", "regex", *ENGINE])

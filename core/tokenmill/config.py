@@ -122,6 +122,10 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="CPU threads of the engine (default: "
                                                             "TOKENMILL_NUM_THREADS, else the usable cores)",
                                     json_schema_extra=cli(_RUN))
+    engine_process: bool = Field(
+        False, description="Serving (AsyncLLM, tokenmill serve): step the engine in a process of its own, apart "
+                           "from the API server's event loop and its GIL (the offline LLM steps in its caller)",
+        json_schema_extra=cli(_RUN))
 
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} "

@@ -244,6 +244,8 @@ def serve(
     lora: Annotated[list[str] | None, typer.Option(
         help="A LoRA adapter's served name (repeatable): the requests name them in `model`, round robin "
              "(the server lists them in /v1/models: --enable-lora --lora-modules)")] = None,
+    background_load: BackgroundLoad = 0,
+    background_kind: BackgroundKind = "matmul",
 ) -> None:
     from tokenmill_cli.bench.datasets import DatasetOptions
     from tokenmill_cli.bench.metrics import LATENCY_METRICS
@@ -265,7 +267,9 @@ def serve(
         raise typer.BadParameter(f"unknown metrics {sorted(unknown)}; choose from {', '.join(LATENCY_METRICS)}",
                                  param_hint="--percentile-metrics")
     requests = _guarded(lambda: _serve_requests(tokenizer or model, dataset))
-    result = _guarded(lambda: run_serve(requests, opts, dataset.name, percentiles, disable_tqdm))
+    kind = _background_kind(background_kind)
+    result = _guarded(lambda: _contended(lambda: run_serve(requests, opts, dataset.name, percentiles, disable_tqdm),
+                                         background_load, kind))
     result["backend"] = backend
     print_serve(result, shown)
     saved = None
@@ -273,6 +277,20 @@ def serve(
         default_name = f"{backend}-{result['request_rate']}qps-{Path(str(result['model'])).name}.json"
         saved = result_dir / (result_filename or default_name)
     _finish(result, output_json, saved)
+
+
+def _contended(run: Callable[[], dict[str, Any]], count: int, kind: str) -> dict[str, Any]:
+    """``bench serve --background-load N``: the workload on the quiet machine, then again beside N busy
+    processes (on this machine: for a server on the same one), the second run's figures reported with
+    the first's (``quiet_<figure>``, ``relative_<figure>``). The same prompts twice: serve with
+    ``--no-enable-prefix-caching`` so the second run does not find them cached."""
+    from tokenmill_cli.bench.background_load import background_load
+    from tokenmill_cli.bench.contention import contention_json, result_figures
+
+    quiet = run() if count else None
+    with background_load(count, kind):
+        result = run()
+    return {**result, **contention_json(count, kind, result_figures(result), quiet)}
 
 
 def _serve_requests(tokenizer_source: str | None, dataset: Any) -> list[Any]:

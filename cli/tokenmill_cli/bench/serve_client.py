@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenmill_cli.bench.contention import CONTENTION_ROWS
 from tokenmill_cli.bench.datasets import BenchRequest
 from tokenmill_cli.bench.metrics import LATENCY_METRICS, RequestRecord, compute_metrics
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
@@ -202,6 +203,7 @@ SERVE_ROWS: list[Row] = [
     ("Input token throughput (tok/s)", "input_throughput", ".1f"),
     ("Output token throughput (tok/s)", "output_throughput", ".1f"),
     ("Total token throughput (tok/s)", "total_token_throughput", ".1f"),
+    *CONTENTION_ROWS,  # --background-load
 ]
 
 

@@ -58,8 +58,10 @@ class ServerMetrics:
         if settings.enable_metrics:
             engine.add_stat_logger(PrometheusStatLogger(self.model_name, self.registry))
             # read in the engine's thread, at most every 10 s; a model without experts stops it at once
-            engine.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(engine.engine), self.model_name,
-                                                        self.registry))
+            # (an engine in its own process is not read from here: its counters stay there, for now)
+            if not engine.config.engine_process:
+                engine.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(engine.engine),
+                                                            self.model_name, self.registry))
         if settings.log_stats:
             engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
@@ -19,11 +20,13 @@ from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
+from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.multimodal.loading import multimodal_processor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +48,8 @@ class LLMEngine:
         self.core = EngineCore(config, plugins, progress=progress)
         self.tokenizer = self.core.tokenizer
         self.model_info = self.core.model_info()
-        self.input_processor = InputProcessor(self.tokenizer, self.model_info.max_model_len,
-                                              self.model_info.vocab_size, self.model_info.eos_token_id,
-                                              list(self.model_info.extra_stop_token_ids),
-                                              validate_structured_outputs=self.core.structured_output.validate)
-        if self.model_info.is_encoder:
-            self.input_processor.max_pooling_prompt = self.model_info.max_prompt_tokens
-        self.input_processor.multimodal = multimodal_processor(self.core.checkpoint, self.core.plugins,
-                                                               config.limit_mm_per_prompt)
+        self.input_processor = build_input_processor(self.core.checkpoint, self.model_info, self.core.plugins,
+                                                     config, self.core.structured_output.validate)
         # The scheduler's stats as of the last step (or abort): what the front end reads.
         self.scheduler_stats: SchedulerSnapshot = self.core.make_stats()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -85,14 +82,8 @@ class LLMEngine:
         so a front end may call it from any thread. ``pooling`` makes it an embedding request
         (``"auto"``: the model's own pooling); ``lora_request`` runs it with that adapter
         (registered with :meth:`add_lora` by the time the request is queued)."""
-        pooling = check_runner(self.model_info, pooling)
-        processed = self.input_processor.process_prompt(prompt, pooling is not None, truncate_prompt_tokens)
-        if pooling is not None:
-            requests = [self.input_processor.make_pooling_request(request_id, processed, pooling)]
-        else:
-            requests = self.input_processor.make_requests(request_id, processed, params or SamplingParams(),
-                                                          priority, lora_request.lora_name if lora_request else None)
-        return PreparedRequest(request_id, processed, requests)
+        return prepare_request(self.input_processor, self.model_info, request_id, prompt, params, priority,
+                               pooling, truncate_prompt_tokens, lora_request)
 
     def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None) -> None:
         """Queue a prepared request; it ends with finish_reason ``timeout`` once ``timeout`` seconds
@@ -214,6 +205,37 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.core.shutdown()
 
+
+
+def build_input_processor(checkpoint: Checkpoint, model_info: ModelInfo, plugins: PluginManager,
+                          config: EngineConfig,
+                          validate_structured_outputs: Callable[[StructuredOutputsParams], None] | None,
+                          ) -> InputProcessor:
+    """The tokenizer-side checks of the model ``checkpoint`` holds: what turns a prompt into
+    requests. Built from the checkpoint's folder alone (no weights), so a front end in another
+    process than the core's (``AsyncLLM(engine_process=True)``) builds the same one."""
+    processor = InputProcessor(checkpoint.tokenizer, model_info.max_model_len, model_info.vocab_size,
+                               model_info.eos_token_id, list(model_info.extra_stop_token_ids),
+                               validate_structured_outputs=validate_structured_outputs)
+    if model_info.is_encoder:
+        processor.max_pooling_prompt = model_info.max_prompt_tokens
+    processor.multimodal = multimodal_processor(checkpoint, plugins, config.limit_mm_per_prompt)
+    return processor
+
+
+def prepare_request(input_processor: InputProcessor, model_info: ModelInfo, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None, priority: int = 0, pooling: str | None = None,
+                    truncate_prompt_tokens: int | None = None,
+                    lora_request: LoRARequest | None = None) -> PreparedRequest:
+    """``LLMEngine.prepare_request`` for any front end that holds the input processor."""
+    pooling = check_runner(model_info, pooling)
+    processed = input_processor.process_prompt(prompt, pooling is not None, truncate_prompt_tokens)
+    if pooling is not None:
+        requests = [input_processor.make_pooling_request(request_id, processed, pooling)]
+    else:
+        requests = input_processor.make_requests(request_id, processed, params or SamplingParams(),
+                                                 priority, lora_request.lora_name if lora_request else None)
+    return PreparedRequest(request_id, processed, requests)
 
 
 def check_runner(info: ModelInfo, pooling: str | None) -> str | None:

@@ -11,6 +11,10 @@ The engine thread stamps a heartbeat on every loop iteration (at least every
 ``_IDLE_WAIT_S`` when idle), so a health check can tell a stuck loop from a
 busy one. If the loop dies, every open stream and every later call raises
 ``EngineDeadError`` at once.
+
+With ``engine_process=True`` the engine steps in a process of its own instead
+(:mod:`tokenmill.entrypoints.engine_client`): the same interface, with the commands
+sent over ZeroMQ and a receiver thread here in place of the engine thread.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.entrypoints.admission import AdmissionLimits, AdmissionQueue
+from tokenmill.entrypoints.engine_client import EngineProcessClient
 from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.lora.request import LoRARequest
@@ -83,10 +88,12 @@ class AsyncLLM:
     ``stat_loggers`` receive the engine's statistics after every step (in the
     engine thread); ``max_queued_requests`` / ``max_queued_tokens`` bound the
     requests waiting for their first token (see :mod:`tokenmill.entrypoints.admission`).
-    The engine is built, and stepped, on its own thread (see ``_run``).
+    The engine is built, and stepped, on its own thread (see ``_run``), or with
+    ``engine_process=True`` in its own process (its stat loggers then run on the thread here
+    that receives its outputs).
     """
 
-    engine: LLMEngine
+    engine: LLMEngine | EngineProcessClient
 
     def __init__(self, model: str | None = None, *, stat_loggers: Sequence[StatLogger] | None = None,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
@@ -102,15 +109,34 @@ class AsyncLLM:
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "add": self._add, "abort": self._abort, "abort_all": self._abort_all,
             "stat_logger": lambda stat_logger: self.engine.stat_loggers.append(stat_logger),
-            "add_lora": lambda payload: self.engine.add_lora(*payload),
-            "remove_lora": lambda name: self.engine.remove_lora(name),
+            "add_lora": lambda payload: self._local.add_lora(*payload),
+            "remove_lora": lambda name: self._local.remove_lora(name),
         }
+        if self.config.engine_process:
+            self._start_process(list(stat_loggers or []))
+            return
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(built, list(stat_loggers or [])),
                                         name="tokenmill-engine", daemon=True)
         self._thread.start()
         built.result()  # the engine thread has set self.engine; raises what building it raised
         self.tokenizer = self.engine.tokenizer
+
+    def _start_process(self, stat_loggers: list[StatLogger]) -> None:
+        def beat() -> None:
+            self._heartbeat = time.monotonic()
+
+        client = EngineProcessClient(self.config, self._dispatch, beat, self._die)
+        self.engine, self._thread = client, client.receiver
+        for stat_logger in stat_loggers:
+            client.forward_stats(stat_logger)
+        self.tokenizer = client.tokenizer
+
+    @property
+    def _local(self) -> LLMEngine:
+        """The engine this process steps (the in-thread mode's), for the engine thread's handlers."""
+        assert isinstance(self.engine, LLMEngine)
+        return self.engine
 
     @property
     def max_model_len(self) -> int:
@@ -196,6 +222,8 @@ class AsyncLLM:
         """Read and check an adapter on a thread of its own (the engine keeps stepping meanwhile),
         then register it; raises ``LoRAAdapterError``. False if it was registered already."""
         self._check_alive()
+        if isinstance(self.engine, EngineProcessClient):  # the engine's process reads it
+            return bool(await self._call("add_lora", lora_request))
         known = self.engine.lora.adapters.get(lora_request.lora_name)
         if known is not None and known.lora_path == lora_request.lora_path:
             return False
@@ -241,7 +269,7 @@ class AsyncLLM:
             self.admission.release(request_id)
             self._streams.pop(request_id, None)
             if not finished and self._dead is None:
-                self._commands.put(("abort", (request_id, None), Future()))
+                self._send("abort", (request_id, None))
 
     async def abort(self, request_id: str, message: str | None = None) -> None:
         """Abort a running request (finish_reason ``abort``, ``message`` as its error);
@@ -257,20 +285,31 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger: StatLogger, timeout: float = 10.0) -> None:
         """Attach a stat logger to the running engine (from any thread but the engine's)."""
         self._check_alive()
+        if isinstance(self.engine, EngineProcessClient):
+            self.engine.forward_stats(stat_logger)
+            return
         future: Future[Any] = Future()
         self._commands.put(("stat_logger", stat_logger, future))
         future.result(timeout)
 
     def shutdown(self) -> None:
+        if isinstance(self.engine, EngineProcessClient):
+            self.engine.shutdown()
+            return
         self._stopping.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
 
     # -- engine thread ------------------------------------------------------
     async def _call(self, command: str, payload: Any) -> Any:
+        return await asyncio.wrap_future(self._send(command, payload))
+
+    def _send(self, command: str, payload: Any) -> Future[Any]:
+        if isinstance(self.engine, EngineProcessClient):
+            return self.engine.call(command, payload)
         future: Future[Any] = Future()
         self._commands.put((command, payload, future))
-        return await asyncio.wrap_future(future)
+        return future
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -338,15 +377,15 @@ class AsyncLLM:
 
     def _add(self, payload: tuple[PreparedRequest, float | None]) -> None:
         prepared, timeout = payload
-        self.engine.add_prepared(prepared, timeout)
+        self._local.add_prepared(prepared, timeout)
 
     def _abort(self, payload: tuple[str, str | None]) -> None:
         request_id, message = payload
-        output = self.engine.abort_request(request_id, error=message)
+        output = self._local.abort_request(request_id, error=message)
         self._dispatch([output] if output is not None else [])
 
     def _abort_all(self, message: str | None) -> int:
-        outputs = self.engine.abort_all(message)
+        outputs = self._local.abort_all(message)
         self._dispatch(outputs)
         return len(outputs)
 

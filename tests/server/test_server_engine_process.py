@@ -1,0 +1,96 @@
+"""``tokenmill serve --engine-process``: the engine steps in a child process of the server's.
+
+One server on the fault-injection model (the tiny Llama, with a poison token that makes the
+forward raise), driven by the official openai client. Its engine is killed by the last test.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import psutil
+import pytest
+from conftest import MODEL, Server
+from fault_model import RAISE_TOKEN
+from test_server_metrics import delta, scrape
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "Hello", "1 2 3 4"]
+HANG_GUARD_S = 60  # a request to a dead engine must answer; this only ends a test that would hang
+
+
+@pytest.fixture(scope="module")
+def ep(start_server, fault_model_path) -> Server:
+    return start_server([str(fault_model_path), "--served-model-name", MODEL, "--max-model-len", "256",
+                         "--kv-cache-memory", "16MiB", "--dtype", "float32", "--engine-process"])
+
+
+@pytest.fixture(scope="module")
+def client(ep: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{ep.url}/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
+
+
+def _engine_processes(server: Server) -> list[psutil.Process]:
+    """The server's spawned children but multiprocessing's resource tracker: its engine core."""
+    found = []
+    for child in psutil.Process(server.process.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:  # it ended meanwhile
+            pass
+    return found
+
+
+def test_the_engine_steps_in_a_child_process(ep):
+    assert len(_engine_processes(ep)) == 1
+
+
+def test_greedy_completions_are_the_in_thread_engines(client, fault_model_path):
+    """Non-streamed and streamed: the text the same model gives stepped in the caller's thread."""
+    offline = LLM(str(fault_model_path), max_model_len=256, kv_cache_memory="16MiB", dtype="float32")
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == expected
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(ep):
+    before = ep.stats()["client_disconnects"]
+    with httpx.Client(base_url=ep.url, timeout=HANG_GUARD_S) as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 200,
+                                                          "ignore_eos": True, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+    stats = ep.wait_idle()
+    assert stats["running"] == stats["waiting"] == stats["unfinished"] == 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats["client_disconnects"] == before + 1
+
+
+def test_metrics_count_what_the_engine_process_did(ep, client):
+    _, before = scrape(ep)
+    usage = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, extra_body={"ignore_eos": True}).usage
+    _, after = scrape(ep)
+    assert usage.completion_tokens == 4
+    assert delta(after, before, "tokenmill:generation_tokens_total") == 4
+    assert delta(after, before, "tokenmill:prompt_tokens_total") == 3
+    assert delta(after, before, "tokenmill:request_success_total", finished_reason="length") == 1
+
+
+def test_an_engine_that_dies_fails_requests_with_an_error_not_a_hang(ep, client):
+    """Last: the poison token makes the forward raise in the engine process."""
+    with pytest.raises(openai.InternalServerError) as error:
+        client.completions.create(model=MODEL, prompt=[5, RAISE_TOKEN], max_tokens=2)
+    assert error.value.status_code == 500 and "InjectedFault" in error.value.message
+    with pytest.raises(openai.InternalServerError, match="engine loop died"):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    health = httpx.get(f"{ep.url}/health", timeout=HANG_GUARD_S)
+    assert health.status_code == 503 and "InjectedFault" in health.text
+    _, alive = psutil.wait_procs(_engine_processes(ep), timeout=HANG_GUARD_S)
+    assert alive == [] and _engine_processes(ep) == []  # the engine process ended (and was reaped) after reporting
