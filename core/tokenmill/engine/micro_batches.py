@@ -58,9 +58,9 @@ class MicroBatches:
     _carried_finished: set[str] = field(default_factory=set)
     _carried_preempted: set[str] = field(default_factory=set)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queue)
+    def in_flight_request_ids(self) -> set[str]:
+        """The requests of the steps in flight (sent, their outputs not applied yet)."""
+        return {req_id for step in self._queue for req_id in step.scheduler_output.num_scheduled_tokens}
 
     def step(self) -> EngineCoreOutputs | SchedulerOutput:
         """The oldest step's outputs, once as many steps as may be are in flight; or, with none in
