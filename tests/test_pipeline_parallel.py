@@ -124,6 +124,9 @@ def test_stages_match_one_rank_and_transformers(arch, tp, pp, model_factory):
     assert logprobs == pytest.approx(one_rank[2], abs=1e-4)
     stats = llm.engine.scheduler_stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    micro_batches = llm.engine.core.micro_batches.stats
+    assert micro_batches.sent > micro_batches.fills  # steps were sent while another was in flight
+    _abort_one_in_flight(llm, prompts[:4], expected[:4])
     contents = llm.engine.core.executor.collective_rpc(_stage_contents)
     # ranks are stage-major: stage 0 holds layer 0 and the embedding, stage 1 layer 1 and the head
     assert contents == [(1, True, False, [0])] * tp + [(1, False, True, [1])] * tp
@@ -131,6 +134,30 @@ def test_stages_match_one_rank_and_transformers(arch, tp, pp, model_factory):
     assert len(set(pids)) == tp * pp and os.getpid() not in pids
     llm.engine.shutdown()
     assert not any(_alive(pid) for pid in pids)
+
+
+def _abort_one_in_flight(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """The prompts step by step; the first request seen in a step in flight is aborted there. The
+    others' greedy tokens are still ``expected``, and every KV block comes back."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    ids = [engine.next_request_id() for _ in prompts]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    tokens: dict[str, list[int]] = {}
+    aborted = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        in_flight = sorted(engine.core.micro_batches.in_flight_request_ids() & set(ids) - set(tokens))
+        if aborted is None and in_flight:
+            aborted = in_flight[0]
+            engine.abort_request(aborted)
+    assert aborted is not None
+    assert {i: tokens[i] for i in ids if i != aborted} == {i: e for i, e in zip(ids, expected, strict=True) if i != aborted}
+    stats = engine.core.make_stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not engine.core.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("killed_stage", [0, 1])

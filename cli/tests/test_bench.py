@@ -429,3 +429,16 @@ def test_latency_and_throughput_report_the_collectives_share_under_tensor_parall
         assert 0 < result["comm_ms_per_step"] < result["step_ms"]
         assert result["comm_step_fraction"] == pytest.approx(result["comm_ms_per_step"] / result["step_ms"])
         assert result["comm_calls_per_step"] >= 1 + 2 * 2  # the embedding's, and two per layer of SMALL's 2
+
+
+def test_throughput_reports_the_pipeline_bubble_against_the_ideal(model_dir: Path, tmp_path: Path,
+                                                                  throughput_result: dict[str, Any]) -> None:
+    assert "pipeline_bubble_fraction" not in throughput_result  # one stage: no pipeline
+    r = bench_json(tmp_path, "throughput", ["--model", str(model_dir), "--num-prompts", "6", "--random-input-len",
+                                            "8", "--random-output-len", "6", "--pipeline-parallel-size", "2", *ENGINE])
+    assert r["completed"] == 6 and len(r["pipeline_stage_idle_fractions"]) == 2
+    assert all(0 <= idle < 1 for idle in r["pipeline_stage_idle_fractions"])
+    assert r["pipeline_bubble_fraction"] == pytest.approx(sum(r["pipeline_stage_idle_fractions"]) / 2)
+    m = r["pipeline_micro_batches_per_fill"]
+    assert m > 1  # six requests over two stages: micro-batches overlapped
+    assert r["pipeline_ideal_bubble_fraction"] == pytest.approx(1 / (m + 1))

@@ -32,6 +32,12 @@ class EngineCounters:
     comm_calls: int = 0
     step_seconds: float = 0.0  # rank 0's time in its steps (forward and sampling), which contain them
     steps: int = 0
+    # Pipeline parallelism: each stage's time computing (its first rank's steps less the time they
+    # were blocked on the other stages), the steps the engine core sent and how many of them it
+    # sent with no other step in flight (the pipeline filling from empty: engine.micro_batches).
+    stage_busy_seconds: tuple[float, ...] = ()
+    micro_batches: int = 0
+    pipeline_fills: int = 0
 
     def since(self, before: EngineCounters) -> EngineCounters:
         return EngineCounters(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
@@ -39,7 +45,25 @@ class EngineCounters:
                               self.spec_draft_tokens - before.spec_draft_tokens,
                               self.spec_accepted_tokens - before.spec_accepted_tokens,
                               self.comm_seconds - before.comm_seconds, self.comm_calls - before.comm_calls,
-                              self.step_seconds - before.step_seconds, self.steps - before.steps)
+                              self.step_seconds - before.step_seconds, self.steps - before.steps,
+                              tuple(a - b for a, b in zip(self.stage_busy_seconds, before.stage_busy_seconds,
+                                                          strict=True)),
+                              self.micro_batches - before.micro_batches, self.pipeline_fills - before.pipeline_fills)
+
+    def pipeline_json(self, duration: float) -> dict[str, Any]:
+        """Under pipeline parallelism, over a run of ``duration`` seconds: the bubble (the share of
+        the run the stages were not computing, on average over them: blocked on another stage or
+        waiting for the engine), each stage's idle share, the micro-batches per fill ``m`` and the
+        ideal bubble ``(pp - 1) / (m + pp - 1)`` of stages of equal time that nothing else delays
+        (empty with one stage)."""
+        pp = len(self.stage_busy_seconds)
+        if pp < 2 or duration <= 0:
+            return {}
+        idle = [max(0.0, 1.0 - busy / duration) for busy in self.stage_busy_seconds]
+        m = self.micro_batches / max(1, self.pipeline_fills)
+        return {"pipeline_bubble_fraction": sum(idle) / pp, "pipeline_stage_idle_fractions": idle,
+                "pipeline_micro_batches": self.micro_batches, "pipeline_micro_batches_per_fill": m,
+                "pipeline_ideal_bubble_fraction": (pp - 1) / (m + pp - 1)}
 
     def communication_json(self) -> dict[str, float]:
         """Per step over a run, under tensor parallelism: the collectives' milliseconds, their
@@ -71,6 +95,13 @@ COMMUNICATION_ROWS: list[tuple[str, str, str]] = [
     ("TP collectives per step (calls)", "comm_calls_per_step", ".1f"),
     ("Step on rank 0 (ms)", "step_ms", ".3f"),
     ("Collectives' share of the step", "comm_step_fraction", ".1%"),
+]
+
+# the report rows of EngineCounters.pipeline_json
+PIPELINE_ROWS: list[tuple[str, str, str]] = [
+    ("Pipeline bubble (stages idle)", "pipeline_bubble_fraction", ".1%"),
+    ("Micro-batches per pipeline fill (m)", "pipeline_micro_batches_per_fill", ".1f"),
+    ("Ideal bubble (pp-1)/(m+pp-1)", "pipeline_ideal_bubble_fraction", ".1%"),
 ]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill_cli.bench.backends import COMMUNICATION_ROWS, canonical_backend, create_backend
+from tokenmill_cli.bench.backends import COMMUNICATION_ROWS, PIPELINE_ROWS, canonical_backend, create_backend
 from tokenmill_cli.bench.background_load import background_load
 from tokenmill_cli.bench.contention import CONTENTION_ROWS, contention_json, result_figures
 from tokenmill_cli.bench.datasets import (
@@ -115,6 +115,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         **counters.spec_decode_json(engine_kwargs),
         **expert_load,
         **counters.communication_json(),
+        **counters.pipeline_json(duration),
         **memory,
         "startup_s": startup_s,
         "engine_args": engine_kwargs,
@@ -187,6 +188,7 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Mean accepted length", "spec_decode_mean_accepted_length", ".2f"),
     *EXPERT_LOAD_ROWS,
     *COMMUNICATION_ROWS,
+    *PIPELINE_ROWS,
     ("Time in stat logging", "stat_logging_fraction", ".2%"),
     ("Achieved GFLOP/s (useful)", "achieved_gflops", ".2f"),
     ("Peak GFLOP/s", "peak_gflops", ".1f"),

@@ -94,11 +94,19 @@ class TokenmillBackend:
 
     def counters(self) -> EngineCounters:
         stats = self.llm.engine.scheduler_stats
-        comm = self.llm.engine.core.executor.collective_rpc("communication_stats")[0]  # rank 0's
+        core = self.llm.engine.core
+        ranks = core.executor.collective_rpc("communication_stats")
+        comm = ranks[0]  # rank 0's
+        busy: tuple[float, ...] = ()
+        micro_batches = fills = 0
+        if core.micro_batches is not None:  # pipeline stages: each one's first rank (ranks are stage-major)
+            busy = tuple(r["step_seconds"] - r["pipeline_blocked_seconds"]
+                         for r in ranks[::core.config.tensor_parallel_size])
+            micro_batches, fills = core.micro_batches.stats.sent, core.micro_batches.stats.fills
         return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
                               stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
                               stats.spec_decode_num_accepted_tokens, comm["comm_seconds"], int(comm["comm_calls"]),
-                              comm["step_seconds"], int(comm["steps"]))
+                              comm["step_seconds"], int(comm["steps"]), busy, micro_batches, fills)
 
 
 def _count_weights(worker: Any) -> WeightCounts:

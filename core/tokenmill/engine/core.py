@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.micro_batches import MicroBatches
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.runner import choose_runner
 from tokenmill.errors import ModelNotFoundError
@@ -97,8 +98,12 @@ class EngineCore:
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             **_draft_backoff_options(config.speculative_config),
+            steps_in_flight=config.pipeline_parallel_size,
         ), self.kv_manager, self.structured_output, self.lora,
             self._kv_connector())
+        # Pipeline stages overlap on micro-batches: a step per stage in flight (engine.micro_batches)
+        self.micro_batches = (MicroBatches(config.pipeline_parallel_size, self.scheduler, self.executor)
+                              if config.pipeline_parallel_size > 1 else None)
         self._building_thread = threading.get_ident()
         self._warned_thread = False
 
@@ -182,7 +187,13 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self._warned_thread and threading.get_ident() != self._building_thread:
             self._warn_other_thread()
-        scheduler_output = self.scheduler.schedule()
+        if self.micro_batches is None:
+            scheduler_output = self.scheduler.schedule()
+        else:  # the oldest micro-batch's outputs; or an empty step, none in flight, that runs here
+            ready = self.micro_batches.step()
+            if isinstance(ready, EngineCoreOutputs):
+                return ready
+            scheduler_output = ready
         if scheduler_output.is_empty and self.structured_output.num_pending:
             self.structured_output.wait_for_any(_GRAMMAR_WAIT_S)
         if scheduler_output.is_empty and self.lora is not None and self.lora.num_loading:

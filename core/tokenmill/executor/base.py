@@ -85,9 +85,21 @@ class Executor(ABC):
         self.collective_rpc("execute_model", (scheduler_output,))
         return None
 
-    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+    @overload
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: bool = False,
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """The last forward's output, sampled within ``grammar``: the sampling rank's (the only
-        one that samples: rank 0, or the last pipeline stage's first rank)."""
+        one that samples: rank 0, or the last pipeline stage's first rank).
+
+        ``non_block``: return a future of it at once (the engine core's micro-batches under
+        pipeline parallelism: it schedules the next step while this one runs)."""
+        if non_block:
+            return picked(self.collective_rpc("sample_tokens", (grammar,), non_block=True), self.spec.sampling_rank)
         outputs: list[ModelRunnerOutput] = self.collective_rpc("sample_tokens", (grammar,))
         return outputs[self.spec.sampling_rank]
 
@@ -107,3 +119,18 @@ def failed(exc: BaseException) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_exception(exc)
     return future
+
+
+def picked(future: Future[list[T]], index: int) -> Future[T]:
+    """A future of item ``index`` of ``future``'s list (or of its exception)."""
+    item: Future[T] = Future()
+
+    def forward(done: Future[list[T]]) -> None:
+        error = done.exception()
+        if error is not None:
+            item.set_exception(error)
+        else:
+            item.set_result(done.result()[index])
+
+    future.add_done_callback(forward)
+    return item

@@ -9,11 +9,17 @@ Each communicator counts the wall time its collectives take (:class:`Communicati
 what the step spends in all-reduce and all-gather, waiting for the slowest rank included,
 which ``Worker.communication_stats`` reports. On a platform whose collectives are
 asynchronous (NCCL) the time is that of the calls' launches only.
+
+Pipeline stages hand hidden states on with :meth:`Communicator.send_async` (``isend``:
+the stage goes on to its next micro-batch while the transfer runs) and take them with
+:meth:`Communicator.recv`; the time a stage is blocked in either (waiting for its peer) is
+counted apart, in ``blocked``: it is the pipeline's bubble as that stage sees it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,22 +39,27 @@ class CommunicationTime:
 
 class Communicator:
     """All-reduce (sum), all-gather, broadcast and point-to-point send/recv over ``group``
-    (None: the default group). Ranks are ranks within the group."""
+    (None: the default group). Ranks are ranks within the group. ``max_pending_sends``: how
+    many :meth:`send_async` transfers may be under way before the next waits for the oldest."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None, max_pending_sends: int = 1) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
         self.time = CommunicationTime()  # the collectives' (not send/recv's: stages wait there)
+        self.blocked = CommunicationTime()  # in send/recv between stages: waiting for the peer
+        self._sending: deque[tuple[torch.Tensor, Any]] = deque()  # send_async's tensors and their work
+        self.max_pending_sends = max_pending_sends
 
     @contextmanager
-    def _timed(self) -> Iterator[None]:
+    def _timed(self, counter: CommunicationTime | None = None) -> Iterator[None]:
+        counter = self.time if counter is None else counter
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.time.seconds += time.perf_counter() - start
-            self.time.calls += 1
+            counter.seconds += time.perf_counter() - start
+            counter.calls += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (in place; returned for chaining)."""
@@ -88,9 +99,25 @@ class Communicator:
         """Send ``x`` to rank ``dst``, which must :meth:`recv` a tensor of its shape and dtype."""
         dist.send(x.contiguous(), self._global(dst), group=self.group)
 
+    def send_async(self, x: torch.Tensor, dst: int) -> None:
+        """Start sending ``x`` to rank ``dst`` and return: the transfer runs on the backend's own
+        threads, ``x`` kept alive until it is done. With ``max_pending_sends`` transfers still
+        under way (the peer has not posted their receives: it is behind), wait for the oldest
+        first, so a fast stage runs at most that many micro-batches ahead of the next one."""
+        while len(self._sending) >= self.max_pending_sends:
+            _, oldest = self._sending.popleft()
+            with self._timed(self.blocked):
+                oldest.wait()
+        x = x.contiguous()
+        self._sending.append((x, dist.isend(x, self._global(dst), group=self.group)))
+
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        """Receive rank ``src``'s :meth:`send` into ``x`` (returned)."""
-        dist.recv(x, self._global(src), group=self.group)
+        """Receive rank ``src``'s :meth:`send` (or :meth:`send_async`) into ``x`` (returned); the
+        wait counts in ``blocked``."""
+        work = dist.irecv(x, self._global(src), group=self.group)
+        assert work is not None  # None only on a rank outside the group
+        with self._timed(self.blocked):
+            work.wait()
         return x
 
     def _global(self, rank: int) -> int:

@@ -11,6 +11,11 @@ and hands its output to :meth:`PipelineStage.send` on every stage but the last. 
 (:func:`left_out_prefixes`). Each stage's KV cache then holds its own layers only, since the
 model runner allocates one per :class:`~tokenmill.layers.attention.Attention` it finds.
 
+The engine core keeps up to ``size`` steps (micro-batches) in flight, so the stages overlap:
+:meth:`PipelineStage.send` returns while its tensors travel (stage 0 starts the next
+micro-batch while stage 1 runs this one), and the time a stage is blocked in
+:meth:`PipelineStage.receive` (or behind a slow next stage) is counted in ``comm.blocked``.
+
 With one stage (the default) every function here builds the whole model and no tensor moves.
 """
 
@@ -67,8 +72,9 @@ class PipelineStage:
         return list(stacked.unbind(0))
 
     def send(self, *tensors: torch.Tensor) -> None:
-        """Hand this step's ``tensors`` (of one shape and dtype) to the next stage, as one message."""
-        self.comm.send(torch.stack(tensors), self.rank + 1)
+        """Hand this step's ``tensors`` (of one shape and dtype) to the next stage, as one message,
+        and return while it travels: this stage may start its next micro-batch meanwhile."""
+        self.comm.send_async(torch.stack(tensors), self.rank + 1)
 
 
 SINGLE_STAGE = PipelineStage()

@@ -21,6 +21,14 @@ With a KV connector (``kv_transfer_config``), a waiting request whose prompt KV 
 from outside gets blocks for it and waits in ``WAITING_FOR_REMOTE_KVS``, outside the waiting
 queue, while the workers load it; it then joins the queue with those tokens computed, or, if
 the load failed, to compute them itself (``tokenmill.kv_transfer.connector`` has the contract).
+
+Under pipeline parallelism the engine core keeps up to ``steps_in_flight`` steps (micro-batches)
+in flight, scheduling the next before the last one's output is back. A request is then in at
+most one of them: a step skips the requests whose step is still in flight (their tokens are not
+sampled yet), never preempts one (its step would come back for blocks that are gone), and takes
+an even share of the requests, so that the micro-batches split them. An abort frees a request's
+blocks at once even in flight: each worker runs its steps in order, so a later step that reuses
+the blocks writes them after the aborted one did on every rank.
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ class SchedulerConfig:
     spec_min_acceptance_rate: float = 0.0
     spec_acceptance_window: int = 32
     spec_backoff_tokens: int = 32
+    # Steps the engine core schedules before the first one's output is applied: one per pipeline
+    # stage under pipeline parallelism (its micro-batches), else 1.
+    steps_in_flight: int = 1
 
 
 @dataclass
@@ -82,6 +93,7 @@ class _StepPlan:
     cached: list[CachedRequestData]
     tokens: dict[str, int]
     drafts: dict[str, list[int]] = field(default_factory=dict)  # the scheduled ones
+    max_requests: int = 0  # most requests the step takes (0: no cap but max_num_seqs)
 
 
 class Scheduler:
@@ -116,10 +128,12 @@ class Scheduler:
         self._kv_failed: set[str] = set()  # a load failed: compute the prompt, ask the connector no more
         self._kept_blocks: dict[str, Request] = {}  # finished, blocks kept for the connector to send
         self.num_external_hit_tokens = 0  # prompt tokens loaded through the connector, since start
+        self._in_flight: set[str] = set()  # with steps_in_flight > 1: requests of steps whose output is not back
 
     # -- admission and removal ------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self._kept_blocks:
+        if (request.request_id in self.requests or request.request_id in self._kept_blocks
+                or request.request_id in self._in_flight):  # an aborted request's step still in flight
             raise ValueError(f"request id {request.request_id!r} is already in use")
         params = request.sampling_params.structured_outputs
         if params is not None:
@@ -205,7 +219,7 @@ class Scheduler:
             self._admit_compiled_grammars()
         if self.waiting_for_lora:
             self._admit_ready_adapters()
-        plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {})
+        plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {}, max_requests=self._step_request_cap())
         self._schedule_running(plan)
         if not self._preempted_ids:
             self._schedule_waiting(plan)
@@ -223,7 +237,17 @@ class Scheduler:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
                 self._scheduled_kv_requests(plan), set(self._finished_ids), set(self._preempted_ids))
         self._finished_ids, self._preempted_ids = set(), set()
+        if self.config.steps_in_flight > 1:
+            self._in_flight.update(plan.tokens)
         return output
+
+    def _step_request_cap(self) -> int:
+        """Most requests one step takes: with steps in flight, an even share of the running and
+        waiting requests, so that the micro-batches split them (else no cap: 0)."""
+        depth = self.config.steps_in_flight
+        if depth == 1:
+            return 0
+        return max(1, -(-(len(self.running) + len(self.waiting)) // depth))
 
     def _admit_compiled_grammars(self) -> None:
         """Move requests whose grammar is compiled to the waiting queue (a failed compile ends the request)."""
@@ -289,6 +313,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
+            if self._in_flight and request.request_id in self._in_flight:  # its last step is not back yet
+                index += 1
+                continue
+            if plan.max_requests and len(plan.tokens) >= plan.max_requests:
+                break
             num_unsent = request.num_tokens - request.num_computed_tokens
             num_new = min(num_unsent + len(request.spec_token_ids), plan.budget)  # drafts count in the budget
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
@@ -310,7 +339,10 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = max(self.running, key=self._victim_key)
+            # a request in flight is no victim: its step's output is on the way (``request`` is not)
+            candidates = ([r for r in self.running if r.request_id not in self._in_flight] if self._in_flight
+                          else self.running)
+            victim = max(candidates, key=self._victim_key)
             self._preempt(victim, plan)
             if victim is request:
                 return None
@@ -332,7 +364,8 @@ class Scheduler:
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not (plan.max_requests and len(plan.tokens) >= plan.max_requests)):
             request = self.waiting.peek()
             loaded = request.request_id in self._kv_loaded  # holds its blocks, loaded KV counted as computed
             if loaded:
@@ -437,6 +470,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight:
+            self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         self.encoder_cache_queries += runner_output.encoder_cache_queries
         self.encoder_cache_hits += runner_output.encoder_cache_hits
         if runner_output.kv_connector_output is not None:

@@ -43,4 +43,6 @@ def parallel_groups(spec: WorkerSpec) -> ParallelGroups:
     pipeline_group = None  # with one rank per stage, the stages are the default group
     if tp > 1:
         pipeline_group = [dist.new_group([s * tp + r for s in range(pp)]) for r in range(tp)][tp_rank]
-    return ParallelGroups(tensor, PipelineStage(stage, pp, Communicator(stage, pp, pipeline_group)))
+    # As many sends under way as the engine keeps micro-batches in flight (one per stage)
+    link = Communicator(stage, pp, pipeline_group, max_pending_sends=pp)
+    return ParallelGroups(tensor, PipelineStage(stage, pp, link))

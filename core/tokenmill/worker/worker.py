@@ -71,6 +71,7 @@ class Worker:
             checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
         groups = parallel_groups(spec)
         self.comm = groups.tensor
+        self.stage = groups.stage
         self.step_seconds = 0.0  # wall time in execute_model and sample_tokens, for communication_stats
         self.steps = 0
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
@@ -126,9 +127,13 @@ class Worker:
         """Cumulative since start-up: seconds this rank spent in its tensor-parallel group's
         collectives (all-reduce, all-gather, gather, broadcast) and how many ran, and the
         seconds and count of its steps (forward and sampling), which contain them. A caller
-        takes differences across a run; with one rank there are no collectives (zeros)."""
+        takes differences across a run; with one rank there are no collectives (zeros).
+        Under pipeline parallelism, also the seconds its steps spent blocked on the other
+        stages (receiving hidden states, or behind the next stage's receives): a step's time
+        less those is the time this stage computed."""
         return {"comm_seconds": self.comm.time.seconds, "comm_calls": float(self.comm.time.calls),
-                "step_seconds": self.step_seconds, "steps": float(self.steps)}
+                "step_seconds": self.step_seconds, "steps": float(self.steps),
+                "stage": float(self.stage.rank), "pipeline_blocked_seconds": self.stage.comm.blocked.seconds}
 
     def lora_targets(self) -> Any:
         """The layers LoRA adapters may target and their shapes (a ``LoRATargetTable``; None without LoRA)."""
