@@ -11,8 +11,8 @@ may follow the option, as in ``tokenmill serve --lora-modules a=x ./base``, and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
-import click
 from typer.core import TyperCommand
 
 
@@ -54,5 +54,5 @@ def spread_values(args: list[str], options: Mapping[str, Callable[[str], bool]] 
 class SeveralValuesCommand(TyperCommand):
     """A typer command whose :data:`SEVERAL_VALUES` options also take their values after one flag."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # ctx: the click Context typer vendors
         return super().parse_args(ctx, spread_values(args))
