@@ -44,7 +44,8 @@ def _bad_adapters(llama_path, good, tmp_path) -> dict[str, tuple[str, str]]:
                         "targets modules ['input_layernorm'], which tokenmill cannot apply LoRA to"),
         "norm-weights": (str(_rewritten(good, tmp_path / "norm-weights", target_modules=".*norm",
                                         rename=("self_attn.q_proj", "input_layernorm"))),
-                         "targets module 'model.layers.0.input_layernorm', which tokenmill cannot apply LoRA to"),
+                         "targets modules ['model.layers.0.input_layernorm', 'model.layers.1.input_layernorm'], "
+                         "which tokenmill cannot apply LoRA to"),
         "extra-vocab": (str(_with_extra_tokens(llama_path, tmp_path / "extra-vocab", 8)),
                         "an adapter that adds tokens (extra vocabulary) is not served"),
         "other-base": (str(build_adapter_for_other_base(tmp_path / "other", r=4, target_modules=["q_proj"])),

@@ -77,12 +77,13 @@ class LoRAAdapterLoader:
         _drop_saved_base_layers(name, tensors, self.targets)
         scaling = _scaling(name, config)
         adapter = LoRAAdapter(name, rank, content_hash=_content_hash(config, weights))
-        for module, (lora_a, lora_b) in _pairs(name, tensors).items():
-            target = self.targets.get(module)
-            if target is None:
-                raise LoRAAdapterError(name, f"targets module {module!r}, which tokenmill cannot apply LoRA to "
-                                             f"in this base model (LoRA can target "
-                                             f"{sorted(SUPPORTED_MODULES | VOCAB_MODULES)})")
+        pairs = _pairs(name, tensors)
+        unknown = sorted(module for module in pairs if module not in self.targets)
+        if unknown:
+            raise LoRAAdapterError(name, f"targets modules {unknown}, which tokenmill cannot apply LoRA to in this "
+                                         f"base model (LoRA can target {sorted(SUPPORTED_MODULES | VOCAB_MODULES)})")
+        for module, (lora_a, lora_b) in pairs.items():
+            target = self.targets[module]
             if lora_a.shape[0] > self.max_rank:
                 raise LoRAAdapterError(name, f"module {module!r} has rank {lora_a.shape[0]}, above max_lora_rank="
                                              f"{self.max_rank}")

@@ -31,6 +31,7 @@ from torch import nn
 
 from tokenmill.layers.linear import Linear
 from tokenmill.lora.adapter import LoRAModuleWeights
+from tokenmill.lora.segments import SlotSegments, grouped_delta_into, grouped_mm_works
 
 
 class LoRABatch:
@@ -48,11 +49,13 @@ class LoRABatch:
         self.token_mask: torch.Tensor | None = None
         self.token_slots: torch.Tensor | None = None
         self.active_slots: frozenset[int] | None = None
+        self.segments: SlotSegments | None = None  # the adapter tokens by slot, for the segment path
         self._embedding_pending = False
         self._logits_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def set_step(self, mask: torch.Tensor | None, slots: torch.Tensor | None, active: frozenset[int] | None) -> None:
-        self.token_mask, self.token_slots, self.active_slots = mask, slots, active
+    def set_step(self, mask: torch.Tensor | None, slots: torch.Tensor | None, active: frozenset[int] | None,
+                 segments: SlotSegments | None = None) -> None:
+        self.token_mask, self.token_slots, self.active_slots, self.segments = mask, slots, active, segments
         self._embedding_pending = mask is not None
         self._logits_rows = None
 
@@ -102,6 +105,9 @@ class LoRAWeights(nn.Module):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(layer.out_features, columns, device=device, dtype=dtype),
                              persistent=False)
+        # the segment path where grouped_mm takes this layer's shapes (the CPU's; CUDA has the Triton kernels)
+        self.segmented = grouped_mm_works(device, dtype, num_slots, columns // num_slots, layer.in_features,
+                                          layer.out_features)
 
     def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None:
         """Put one adapter's matrices (one per output slice, None where it has none) into ``slot``."""
@@ -135,15 +141,19 @@ class LoRAWeights(nn.Module):
         return lora_a, lora_b
 
     def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor,
-                   slots: torch.Tensor | None = None) -> torch.Tensor:
-        """``out`` plus every token's adapter contribution, in place (by ``slots``, each token's
-        slot index, where the GPU kernel runs; else by ``mask``)."""
+                   slots: torch.Tensor | None = None, segments: SlotSegments | None = None) -> torch.Tensor:
+        """``out`` plus every token's adapter contribution, in place: by ``slots``, each token's
+        slot index, where the GPU kernel runs; by ``segments`` (the tokens grouped by slot,
+        :mod:`tokenmill.lora.segments`) where grouped_mm takes the layer; else by ``mask``."""
         kernels = _gpu_kernels() if x.is_cuda and slots is not None else None
         if kernels is not None and slots is not None:  # each token reads only its own slot's A and B
             y = kernels.lora_shrink(x, self.lora_a, slots, self.num_slots)
             if self.parallel == "row":
                 y = self.comm.all_reduce(y)
             return kernels.lora_expand_into(y, self.lora_b, slots, out, self.num_slots)
+        if segments is not None and self.segmented:
+            reduce = self.comm.all_reduce if self.parallel == "row" else None
+            return grouped_delta_into(x, out, self.lora_a, self.lora_b, self.num_slots, segments, reduce)
         tokens = x.shape[0]
         shrunk = x @ self.lora_a.T
         if self.parallel == "row":  # each rank shrank its slice of the input: sum them
@@ -173,7 +183,7 @@ def _lora_hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.
     batch = weights.batch
     if batch.token_mask is None or not batch.uses_any(weights.filled):
         return output  # no adapter in the step, or none of its adapters targets this layer
-    return weights.delta_into(args[0], output, batch.token_mask, batch.token_slots)
+    return weights.delta_into(args[0], output, batch.token_mask, batch.token_slots, batch.segments)
 
 
 def wrap_linear(layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> LoRAWeights:

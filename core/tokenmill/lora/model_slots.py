@@ -12,6 +12,7 @@ from torch import nn
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.lora.adapter import LoRAAdapter, LoRAModuleWeights
 from tokenmill.lora.layers import LoRABatch, wrap_linear
+from tokenmill.lora.segments import slot_segments
 from tokenmill.lora.targets import LoRATargetTable, lora_target_layers, lora_target_table, lora_vocab_layers
 from tokenmill.lora.vocab_layers import wrap_embedding, wrap_lm_head
 
@@ -59,7 +60,8 @@ class LoRAModelSlots:
         slots = torch.repeat_interleave(torch.tensor(list(row_slots)), torch.as_tensor(tokens_per_row))
         mask = torch.zeros(len(slots), self.num_slots + 1, dtype=self.dtype)
         mask[torch.arange(len(slots)), slots + 1] = 1  # column 0 catches the base rows
-        self.batch.set_step(mask[:, 1:].to(self.device), slots.to(self.device, torch.int32), active)
+        self.batch.set_step(mask[:, 1:].to(self.device), slots.to(self.device, torch.int32), active,
+                            slot_segments(slots, self.num_slots).to(self.device))
 
     def select_logits_rows(self, rows: torch.Tensor | slice) -> None:
         """The next ``compute_logits`` is of the step's tokens ``rows`` (the lm_head applies their adapters)."""
