@@ -3,7 +3,10 @@ keeps serving; requests naming an adapter that is not loaded fail likewise."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 from lora_models import build_adapter, build_adapter_for_other_base
@@ -37,12 +40,49 @@ def _bad_adapters(llama_path, good, tmp_path) -> dict[str, tuple[str, str]]:
         "missing": (str(tmp_path / "no-such-adapter"), "no adapter folder"),
         "too-wide": (str(build_adapter(llama_path, tmp_path / "r16", r=16, target_modules=["q_proj"])),
                      "above max_lora_rank=8"),
-        "lm-head": (str(build_adapter(llama_path, tmp_path / "head", r=4, target_modules=["q_proj", "lm_head"])),
-                    "the base model does not have"),
+        "norm-listed": (str(_rewritten(good, tmp_path / "norm-listed", target_modules=["q_proj", "input_layernorm"])),
+                        "targets modules ['input_layernorm'], which tokenmill cannot apply LoRA to"),
+        "norm-weights": (str(_rewritten(good, tmp_path / "norm-weights", target_modules=".*norm",
+                                        rename=("self_attn.q_proj", "input_layernorm"))),
+                         "targets modules ['model.layers.0.input_layernorm', 'model.layers.1.input_layernorm'], "
+                         "which tokenmill cannot apply LoRA to"),
+        "extra-vocab": (str(_with_extra_tokens(llama_path, tmp_path / "extra-vocab", 8)),
+                        "an adapter that adds tokens (extra vocabulary) is not served"),
         "other-base": (str(build_adapter_for_other_base(tmp_path / "other", r=4, target_modules=["q_proj"])),
                        "trained for another base model"),
         "corrupt": (str(corrupt), "not a readable safetensors file"),
     }
+
+
+def _rewritten(adapter: LoRARequest, folder: Path, rename: tuple[str, str] | None = None, **config: Any) -> Path:
+    """A copy of ``adapter`` with ``config`` in its adapter_config.json and its weights' names renamed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter.lora_path, folder)
+    file = folder / "adapter_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    if rename is not None:
+        weights = folder / "adapter_model.safetensors"
+        save_file({key.replace(*rename): tensor for key, tensor in load_file(weights).items()}, weights)
+    return folder
+
+
+def _with_extra_tokens(llama_path: Path, folder: Path, extra: int) -> Path:
+    """An embedding adapter trained after the vocabulary grew by ``extra`` tokens (its table and A have more rows)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build_adapter(llama_path, folder, r=4, target_modules=["embed_tokens"])
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    for key, tensor in tensors.items():
+        grow = 0 if key.endswith("base_layer.weight") else 1 if key.endswith("lora_embedding_A") else None
+        if grow is not None:
+            shape = list(tensor.shape)
+            shape[grow] = extra
+            tensors[key] = torch.cat([tensor, torch.randn(shape)], dim=grow)
+    save_file(tensors, weights)
+    return folder
 
 
 def test_bad_adapters_raise_a_typed_error_naming_them(llm, llama_path, good, tmp_path):

@@ -11,6 +11,7 @@ from tokenmill_cli import generate, plugins, serve
 from tokenmill_cli.bench.app import build_bench_app
 from tokenmill_cli.engine_options import MODEL_ARGUMENT, MODEL_OPTION, engine_command
 from tokenmill_cli.router.command import router
+from tokenmill_cli.several_values import SeveralValuesCommand
 from tokenmill_cli.tokenizer import build_tokenizer_app
 
 
@@ -25,7 +26,7 @@ def build_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Typer:
     )
     app.command("generate", help="Generate text for one or more prompts with a local engine.")(
         engine_command(generate.generate, config_cls, model=MODEL_OPTION))
-    app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.")(
+    app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API.", cls=SeveralValuesCommand)(
         engine_command(serve.serve, config_cls, model=MODEL_ARGUMENT))
     app.command("router", help="Disaggregated prefill/decode: an OpenAI-compatible front over prefill and decode "
                                "servers.")(router)

@@ -66,7 +66,8 @@ def serve(
     enable_tokenizer_info_endpoint: EnableTokenizerInfoEndpoint = False,
     lora_modules: Annotated[list[str] | None, typer.Option(
         help="LoRA adapters to serve (with --enable-lora), each name=path or a JSON object "
-             '{"name": ..., "path": ..., "base_model_name": ...}; a request names one in `model`',
+             '{"name": ..., "path": ..., "base_model_name": ...}, several after one flag or the flag repeated; '
+             "a request names one in `model`",
         rich_help_panel=_LORA)] = None,
     allow_runtime_lora: Annotated[bool, typer.Option(
         "--allow-runtime-lora", envvar="TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING", show_envvar=True,

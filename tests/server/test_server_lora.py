@@ -32,7 +32,7 @@ def adapter_paths(llama_path, tmp_path_factory) -> dict[str, str]:
 def lora_server(start_server, tiny_args, adapter_paths):
     json_form = json.dumps({"name": "mlp", "path": adapter_paths["mlp"], "base_model_name": MODEL})
     return start_server(tiny_args("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                                  "--lora-modules", f"attn={adapter_paths['attn']}", "--lora-modules", json_form),
+                                  "--lora-modules", f"attn={adapter_paths['attn']}", json_form),  # vLLM's one-flag form
                         env={"TOKENMILL_API_KEY": API_KEY, "TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 

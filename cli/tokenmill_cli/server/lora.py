@@ -13,7 +13,7 @@ import itertools
 import json
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.lora import LoRARequest
 from tokenmill_cli.server.errors import ERROR_RESPONSES, APIError
@@ -24,17 +24,33 @@ _ids = itertools.count(1)
 
 
 def parse_lora_module(text: str) -> LoRARequest:
-    """``name=path``, or the JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    """``name=path``, or the JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``.
+    A malformed item is a ``ValueError`` quoting it and saying what is wrong."""
     if text.lstrip().startswith("{"):
-        try:
-            spec = LoRAModuleSpec.model_validate(json.loads(text))
-        except ValueError as exc:
-            raise ValueError(f"--lora-modules {text!r}: {exc}") from exc
+        spec = _json_form(text)
         return LoRARequest(spec.name, next(_ids), spec.path, spec.base_model_name)
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules takes name=path or a JSON object, not {text!r}")
+        missing = "an = between name and path" if not sep else "a name before the =" if not name else "a path after the ="
+        raise ValueError(f"--lora-modules {text!r} lacks {missing}: each adapter is name=path or a JSON object "
+                         f"{_JSON_FORM}")
     return LoRARequest(name, next(_ids), path)
+
+
+_JSON_FORM = '{"name": ..., "path": ..., "base_model_name": ...}'
+
+
+def _json_form(text: str) -> LoRAModuleSpec:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--lora-modules {text!r} is not valid JSON ({exc.msg} at character {exc.pos})") from exc
+    try:
+        return LoRAModuleSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'the object'}: {error['msg']}"
+                             for error in exc.errors())
+        raise ValueError(f"--lora-modules {text!r}: {problems} (the JSON form is {_JSON_FORM})") from exc
 
 
 class LoRAModuleSpec(BaseModel):

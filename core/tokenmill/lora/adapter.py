@@ -2,7 +2,10 @@
 
 A PEFT folder holds ``adapter_config.json`` (rank ``r``, ``lora_alpha``, ``use_rslora``,
 ``target_modules``) and ``adapter_model.safetensors`` (``<module>.lora_A.weight`` [r, in] and
-``<module>.lora_B.weight`` [out, r] per target). Loading resolves the path (a local folder, or
+``<module>.lora_B.weight`` [out, r] per target; an embedding's are ``<module>.lora_embedding_A``
+[r, vocab] and ``lora_embedding_B`` [hidden, r], and PEFT saves a copy of the embedding's and
+lm_head's base weights beside them, ``<module>.base_layer.weight``, which must be the base
+model's shape: one with more rows adds tokens, which is not served). Loading resolves the path (a local folder, or
 a Hub id through huggingface_hub, which honours ``HF_HUB_OFFLINE``), checks everything a
 request would otherwise trip over later, and folds the scaling (alpha/r, or rsLoRA's
 alpha/sqrt(r)) into B. Every problem is a :class:`LoRAAdapterError` naming the adapter.
@@ -17,17 +20,19 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tokenmill.lora.errors import LoRAAdapterError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.lora.targets import SUPPORTED_MODULES, LoRATargetTable
+from tokenmill.lora.targets import SUPPORTED_MODULES, VOCAB_MODULES, LoRATargetTable
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
+                  r"|lora_embedding_(?P<embedding_ab>[AB])(?:\.[^.]+)?)$")
+_BASE_LAYER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
 
 
 @dataclass
@@ -69,13 +74,16 @@ class LoRAAdapterLoader:
         _check_target_modules(name, config, self.targets)
         weights = _read_weights_file(name, folder)
         tensors = _parse_weights(name, folder, weights)
+        _drop_saved_base_layers(name, tensors, self.targets)
         scaling = _scaling(name, config)
         adapter = LoRAAdapter(name, rank, content_hash=_content_hash(config, weights))
-        for module, (lora_a, lora_b) in _pairs(name, tensors).items():
-            target = self.targets.get(module)
-            if target is None:
-                raise LoRAAdapterError(name, f"targets module {module!r}, which the base model does not have "
-                                             f"(LoRA can target {sorted(SUPPORTED_MODULES)})")
+        pairs = _pairs(name, tensors)
+        unknown = sorted(module for module in pairs if module not in self.targets)
+        if unknown:
+            raise LoRAAdapterError(name, f"targets modules {unknown}, which tokenmill cannot apply LoRA to in this "
+                                         f"base model (LoRA can target {sorted(SUPPORTED_MODULES | VOCAB_MODULES)})")
+        for module, (lora_a, lora_b) in pairs.items():
+            target = self.targets[module]
             if lora_a.shape[0] > self.max_rank:
                 raise LoRAAdapterError(name, f"module {module!r} has rank {lora_a.shape[0]}, above max_lora_rank="
                                              f"{self.max_rank}")
@@ -121,7 +129,8 @@ def _read_config(name: str, folder: Path) -> dict[str, Any]:
         raise LoRAAdapterError(name, f"{file} is not a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise LoRAAdapterError(name, f"it is a {config.get('peft_type')} adapter, not LoRA")
-    unsupported = [key for key in ("use_dora", "alpha_pattern", "modules_to_save") if config.get(key)]
+    unsupported = [key for key in ("use_dora", "alpha_pattern", "modules_to_save", "trainable_token_indices")
+                   if config.get(key)]
     if config.get("bias", "none") != "none":
         unsupported.append(f"bias={config['bias']!r}")
     if unsupported:
@@ -144,10 +153,11 @@ def _check_target_modules(name: str, config: dict[str, Any], targets: LoRATarget
     if not isinstance(listed, list):  # a regex or "all-linear": the weights file says what it targets
         return
     present = {module.rpartition(".")[2] for module in targets}
-    missing = sorted(set(listed) - present)
+    missing = sorted(str(listed_name) for listed_name in listed
+                     if not any(module == listed_name or module.endswith(f".{listed_name}") for module in targets))
     if missing:
-        raise LoRAAdapterError(name, f"targets modules {missing}, which the base model does not have "
-                                     f"(it has {sorted(present)})")
+        raise LoRAAdapterError(name, f"targets modules {missing}, which tokenmill cannot apply LoRA to in this "
+                                     f"base model (it can target {sorted(present)})")
 
 
 def _read_weights_file(name: str, folder: Path) -> bytes:
@@ -168,6 +178,27 @@ def _parse_weights(name: str, folder: Path, weights: bytes) -> dict[str, torch.T
     except Exception as exc:  # a truncated or garbled file
         raise LoRAAdapterError(name, f"{folder / WEIGHTS_FILE} is not a readable safetensors file "
                                      f"({type(exc).__name__}: {exc})") from exc
+
+
+def _drop_saved_base_layers(name: str, tensors: dict[str, torch.Tensor], targets: LoRATargetTable) -> None:
+    """Remove the copies of the embedding's and lm_head's base weights PEFT saves with their
+    adapters (``save_embedding_layers``): the base model's own serve. Only a vocabulary layer's,
+    of the base model's shape: more rows is a vocabulary the adapter grew, which is not served."""
+    for key in [key for key in tensors if _BASE_LAYER.match(key)]:
+        module = cast(re.Match[str], _BASE_LAYER.match(key))["module"]
+        target = targets.get(module)
+        if target is None or target.kind == "linear":
+            raise LoRAAdapterError(name, f"{WEIGHTS_FILE} holds {key!r}, weights for the base model's {module!r} "
+                                         "itself: only LoRA weights are served")
+        vocab, hidden = ((target.in_features, target.out_features) if target.kind == "embedding"
+                         else (target.out_features, target.in_features))
+        shape = tuple(tensors.pop(key).shape)
+        if shape != (vocab, hidden):
+            grew = len(shape) == 2 and shape[1] == hidden and shape[0] > vocab
+            raise LoRAAdapterError(name, (f"its {module!r} has {shape[0]} rows for the base model's vocabulary of "
+                                          f"{vocab}: an adapter that adds tokens (extra vocabulary) is not served")
+                                   if grew else f"its copy of {module!r} has shape {shape}, not the base model's "
+                                                f"{(vocab, hidden)}: it was trained for another base model")
 
 
 def _content_hash(config: dict[str, Any], weights: bytes) -> str:
@@ -194,7 +225,7 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch
         match = _KEY.match(key)
         if match is None:
             raise LoRAAdapterError(name, f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA A/B weight")
-        halves.setdefault(match["module"], {})[match["ab"]] = tensor
+        halves.setdefault(match["module"], {})[match["ab"] or match["embedding_ab"]] = tensor
     incomplete = sorted(module for module, ab in halves.items() if set(ab) != {"A", "B"})
     if incomplete:
         raise LoRAAdapterError(name, f"modules {incomplete} lack their lora_A or lora_B weight")

@@ -31,16 +31,55 @@ from torch import nn
 
 from tokenmill.layers.linear import Linear
 from tokenmill.lora.adapter import LoRAModuleWeights
+from tokenmill.lora.segments import SlotSegments, grouped_delta_into, grouped_mm_works
 
 
 class LoRABatch:
     """The current step's per-token slot mask ``[T, num_slots]`` (None: no token has an
     adapter), shared by every wrapped layer; the model runner sets it before each forward.
-    ``token_slots`` [T] int32 (-1: the base model) is the same by index, for the GPU kernel."""
+    ``token_slots`` [T] int32 (-1: the base model) is the same by index, for the GPU kernel;
+    ``active_slots`` the slots the step's tokens use (a layer none of whose adapters is among
+    them skips its work; None: not known, every layer works).
+
+    The vocabulary layers (:mod:`tokenmill.lora.vocab_layers`) take their rows' mask once per
+    use: the embedding the step's mask at its first lookup, the lm_head the rows the runner
+    selected for its next logits (:meth:`select_logits_rows`)."""
 
     def __init__(self) -> None:
         self.token_mask: torch.Tensor | None = None
         self.token_slots: torch.Tensor | None = None
+        self.active_slots: frozenset[int] | None = None
+        self.segments: SlotSegments | None = None  # the adapter tokens by slot, for the segment path
+        self._embedding_pending = False
+        self._logits_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def set_step(self, mask: torch.Tensor | None, slots: torch.Tensor | None, active: frozenset[int] | None,
+                 segments: SlotSegments | None = None) -> None:
+        self.token_mask, self.token_slots, self.active_slots, self.segments = mask, slots, active, segments
+        self._embedding_pending = mask is not None
+        self._logits_rows = None
+
+    def uses_any(self, slots: set[int]) -> bool:
+        """Whether the step's tokens use one of ``slots``."""
+        return self.active_slots is None or not self.active_slots.isdisjoint(slots)
+
+    def take_embedding_mask(self) -> torch.Tensor | None:
+        """The step's mask for its first embedding lookup; None after it (or with no adapter)."""
+        pending, self._embedding_pending = self._embedding_pending, False
+        return self.token_mask if pending else None
+
+    def select_logits_rows(self, rows: torch.Tensor | slice) -> None:
+        """The next lm_head call computes the logits of the step's tokens ``rows``."""
+        if self.token_mask is None:
+            self._logits_rows = None
+            return
+        slots = self.token_slots[rows] if self.token_slots is not None else None
+        self._logits_rows = (self.token_mask[rows], slots)
+
+    def take_logits_rows(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The mask and slots of the rows selected for this lm_head call (None: none selected)."""
+        rows, self._logits_rows = self._logits_rows, None
+        return rows
 
 
 class LoRAWeights(nn.Module):
@@ -59,16 +98,23 @@ class LoRAWeights(nn.Module):
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
         self.parallel, self.comm, self.loader = layer.parallel, layer.comm, layer.output_loader
         self.slices = [layer.shard_slice(i) for i in range(len(layer.output_partition_sizes))]
+        self.filled: set[int] = set()  # slots whose adapter has weights in this layer
         device, dtype = layer_device_dtype(layer)
         columns = num_slots * len(self.slices) * max_rank
         self.register_buffer("lora_a", torch.zeros(columns, layer.in_features, device=device, dtype=dtype),
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(layer.out_features, columns, device=device, dtype=dtype),
                              persistent=False)
+        # the segment path where grouped_mm takes this layer's shapes (the CPU's; CUDA has the Triton kernels)
+        self.segmented = grouped_mm_works(device, dtype, num_slots, columns // num_slots, layer.in_features,
+                                          layer.out_features)
 
     def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None:
         """Put one adapter's matrices (one per output slice, None where it has none) into ``slot``."""
         n, r_max = len(self.slices), self.max_rank
+        self.filled.discard(slot)
+        if any(weights is not None for weights in slices):
+            self.filled.add(slot)
         for i, (weights, (offset, size)) in enumerate(zip(slices, self.slices, strict=True)):
             first = (slot * n + i) * r_max
             rows = self.lora_a[first : first + r_max]
@@ -94,15 +140,20 @@ class LoRAWeights(nn.Module):
             lora_a = lora_a.narrow(1, loader.rank * size, size)
         return lora_a, lora_b
 
-    def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``out`` plus every token's adapter contribution, in place."""
-        slots = self.batch.token_slots
+    def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor,
+                   slots: torch.Tensor | None = None, segments: SlotSegments | None = None) -> torch.Tensor:
+        """``out`` plus every token's adapter contribution, in place: by ``slots``, each token's
+        slot index, where the GPU kernel runs; by ``segments`` (the tokens grouped by slot,
+        :mod:`tokenmill.lora.segments`) where grouped_mm takes the layer; else by ``mask``."""
         kernels = _gpu_kernels() if x.is_cuda and slots is not None else None
         if kernels is not None and slots is not None:  # each token reads only its own slot's A and B
             y = kernels.lora_shrink(x, self.lora_a, slots, self.num_slots)
             if self.parallel == "row":
                 y = self.comm.all_reduce(y)
             return kernels.lora_expand_into(y, self.lora_b, slots, out, self.num_slots)
+        if segments is not None and self.segmented:
+            reduce = self.comm.all_reduce if self.parallel == "row" else None
+            return grouped_delta_into(x, out, self.lora_a, self.lora_b, self.num_slots, segments, reduce)
         tokens = x.shape[0]
         shrunk = x @ self.lora_a.T
         if self.parallel == "row":  # each rank shrank its slice of the input: sum them
@@ -129,10 +180,10 @@ def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
 
 def _lora_hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     weights: LoRAWeights = module.lora  # type: ignore[assignment]
-    mask = weights.batch.token_mask
-    if mask is None:
-        return output
-    return weights.delta_into(args[0], output, mask)
+    batch = weights.batch
+    if batch.token_mask is None or not batch.uses_any(weights.filled):
+        return output  # no adapter in the step, or none of its adapters targets this layer
+    return weights.delta_into(args[0], output, batch.token_mask, batch.token_slots, batch.segments)
 
 
 def wrap_linear(layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> LoRAWeights:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.lora.adapter import LoRAAdapter
-from tokenmill.lora.layers import LoRABatch, LoRAWeights, wrap_linear
-from tokenmill.lora.targets import LoRATargetTable, lora_target_layers, lora_target_table
+from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.lora.adapter import LoRAAdapter, LoRAModuleWeights
+from tokenmill.lora.layers import LoRABatch, wrap_linear
+from tokenmill.lora.segments import slot_segments
+from tokenmill.lora.targets import LoRATargetTable, lora_target_layers, lora_target_table, lora_vocab_layers
+from tokenmill.lora.vocab_layers import wrap_embedding, wrap_lm_head
+
+
+class _SlotWeights(Protocol):
+    """A wrapped layer's adapter store (linear, embedding or lm_head)."""
+
+    def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None: ...
 
 
 class LoRAModelSlots:
@@ -23,13 +33,17 @@ class LoRAModelSlots:
         self.num_slots = num_slots
         self.batch = LoRABatch()
         self.targets: LoRATargetTable = lora_target_table(model)
-        self.layers: list[tuple[LoRAWeights, list[str]]] = [
-            (wrap_linear(layer, num_slots, max_rank, self.batch), names)
-            for layer, names in lora_target_layers(model).values()]
-        if not self.layers:
+        linear = [(wrap_linear(layer, num_slots, max_rank, self.batch), names)
+                  for layer, names in lora_target_layers(model).values()]
+        if not linear:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can target")
-        self.dtype = self.layers[0][0].lora_a.dtype
-        self.device = self.layers[0][0].lora_a.device
+        self.dtype = linear[0][0].lora_a.dtype
+        self.device = linear[0][0].lora_a.device
+        self.layers: list[tuple[_SlotWeights, list[str]]] = list(linear)
+        for prefix, module in lora_vocab_layers(model).items():
+            self.layers.append((wrap_embedding(module, num_slots, max_rank, self.batch, self.device, self.dtype)
+                                if isinstance(module, VocabEmbedding)
+                                else wrap_lm_head(module, num_slots, max_rank, self.batch), [prefix]))
 
     def load(self, loads: Mapping[int, LoRAAdapter]) -> None:
         """Copy each adapter into its slot (a slot is only reassigned once no request uses it)."""
@@ -39,14 +53,19 @@ class LoRAModelSlots:
 
     def set_step(self, row_slots: Sequence[int], tokens_per_row: Sequence[int] | np.ndarray) -> None:
         """Each scheduled row's slot (-1: the base model) and its token count, in step order."""
-        if all(slot < 0 for slot in row_slots):
-            self.batch.token_mask = self.batch.token_slots = None  # a base-only batch pays nothing
+        active = frozenset(slot for slot in row_slots if slot >= 0)
+        if not active:
+            self.batch.set_step(None, None, active)  # a base-only batch pays nothing
             return
         slots = torch.repeat_interleave(torch.tensor(list(row_slots)), torch.as_tensor(tokens_per_row))
         mask = torch.zeros(len(slots), self.num_slots + 1, dtype=self.dtype)
         mask[torch.arange(len(slots)), slots + 1] = 1  # column 0 catches the base rows
-        self.batch.token_mask = mask[:, 1:].to(self.device)
-        self.batch.token_slots = slots.to(self.device, torch.int32)
+        self.batch.set_step(mask[:, 1:].to(self.device), slots.to(self.device, torch.int32), active,
+                            slot_segments(slots, self.num_slots).to(self.device))
+
+    def select_logits_rows(self, rows: torch.Tensor | slice) -> None:
+        """The next ``compute_logits`` is of the step's tokens ``rows`` (the lm_head applies their adapters)."""
+        self.batch.select_logits_rows(rows)
 
     def clear_step(self) -> None:
-        self.batch.token_mask = self.batch.token_slots = None
+        self.batch.set_step(None, None, frozenset())

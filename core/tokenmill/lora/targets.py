@@ -4,8 +4,10 @@ A PEFT adapter names the checkpoint's modules (``model.layers.0.self_attn.q_proj
 model may compute several of them in one merged layer (q/k/v in ``qkv_proj``, gate/up in
 ``gate_up_proj``, named by the model class's ``packed_modules``). The table maps each
 checkpoint module to its layer's prefix and output slice, so an adapter's A/B go into the
-merged layer's slices. It is plain data, so the engine process validates adapters against it
-without holding the model.
+merged layer's slices. The vocabulary layers, the token embedding (``embed_tokens``: PEFT's
+``lora_embedding_A`` [r, vocab] and ``lora_embedding_B`` [hidden, r]) and the ``lm_head``, are
+targets too (:mod:`tokenmill.lora.vocab_layers`). It is plain data, so the engine process
+validates adapters against it without holding the model.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.lm_head import ParallelLMHead
 
 # The projections of a decoder layer LoRA applies to (vLLM's and PEFT's usual targets).
 SUPPORTED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# The vocabulary layers, wrapped by tokenmill.lora.vocab_layers: the model's VocabEmbedding and ParallelLMHead.
+VOCAB_MODULES = frozenset({"embed_tokens", "lm_head"})
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class LoRATarget:
     slice_index: int
     in_features: int
     out_features: int
+    kind: str = "linear"  # or "embedding" (in: the vocabulary, out: hidden) or "lm_head" (out: the vocabulary)
 
 
 LoRATargetTable = dict[str, LoRATarget]  # checkpoint module name -> target
@@ -58,4 +65,16 @@ def lora_target_table(model: nn.Module) -> LoRATargetTable:
         for index, name in enumerate(names):
             parts = loader.shard_parts[index] if layer.parallel == "column" and loader.shard_parts else 1
             table[name] = LoRATarget(prefix, index, in_features, layer.output_partition_sizes[index] * parts)
+    for prefix, module in lora_vocab_layers(model).items():  # whole on every rank: the checkpoint's shapes
+        if isinstance(module, VocabEmbedding):
+            table[prefix] = LoRATarget(prefix, 0, module.vocab_size, module.embedding_dim, "embedding")
+        else:
+            table[prefix] = LoRATarget(prefix, 0, module.in_features, module.vocab_size, "lm_head")
     return table
+
+
+def lora_vocab_layers(model: nn.Module) -> dict[str, VocabEmbedding | ParallelLMHead]:
+    """The model's token embedding and lm_head, by prefix (the checkpoint module an adapter names)."""
+    return {module.prefix: module for module in model.modules()
+            if isinstance(module, VocabEmbedding | ParallelLMHead) and module.prefix
+            and module.prefix.rpartition(".")[2] in VOCAB_MODULES}

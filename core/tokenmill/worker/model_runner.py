@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -206,6 +206,13 @@ class ModelRunner:
             self.spec_decode.propose(self.batch, output, forward.inputs, forward.hidden, forward.aux_hidden)
         return output
 
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The logits of the step's tokens ``rows`` (of its hidden states ``hidden``): the lm_head's
+        LoRA adapters, where enabled, learn the rows' slots first."""
+        if self.lora is not None:
+            self.lora.select_logits_rows(rows)
+        return self.model.compute_logits(hidden[rows])
+
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states, and the logits of every token where a step graph computed them too."""
         if self.multimodal is not None:  # a step with image tokens runs eagerly, from embeddings
@@ -287,7 +294,7 @@ class ModelRunner:
         indices = inputs.query_start[1:][mask] - 1
         # Sampling works in float32; converting first also keeps the max below off
         # bfloat16, for which torch's reduction is ~10x slower.
-        logits = _sampled_logits(self.model, hidden, token_logits, indices, self.device).float()
+        logits = _sampled_logits(self.compute_logits, hidden, token_logits, indices, self.device).float()
         states = [self.batch.states[r] for r in sample_rows]
         apply_grammar_bitmask(logits, grammar, states)  # structured outputs: forbidden tokens -> -inf
         row_max = logits.amax(dim=-1)  # max propagates NaN: a broken row shows in it
@@ -386,7 +393,7 @@ class ModelRunner:
             wanted = cast(int, state.sampling_params.prompt_logprobs)
             if end > start:
                 flat = int(inputs.query_start[i])
-                logits = self.model.compute_logits(hidden[flat : flat + end - start]).float()
+                logits = self.compute_logits(hidden, slice(flat, flat + end - start)).float()
                 next_ids = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
                 lists = compute_prompt_logprobs(logits, next_ids, wanted).tolists()
                 state.prompt_logprobs.extend(_token_logprobs(lists, j, wanted) for j in range(end - start))
@@ -410,11 +417,11 @@ class ModelRunner:
         for i, _state, start, end in self._prompt_logprob_chunks(inputs):
             if end > start:
                 flat = int(inputs.query_start[i])
-                self.model.compute_logits(hidden[flat : flat + end - start])
+                self.compute_logits(hidden, slice(flat, flat + end - start))
         mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
         if mask.any():
             rows = torch.from_numpy(inputs.query_start[1:][mask] - 1).to(self.device)
-            self.model.compute_logits(hidden[rows])
+            self.compute_logits(hidden, rows)
 
 
 def _missing_tokens(state: CachedRequestState, num_computed: int, new_token_ids: list[int]) -> list[int]:
@@ -424,8 +431,8 @@ def _missing_tokens(state: CachedRequestState, num_computed: int, new_token_ids:
     return new_token_ids[max(0, state.num_tokens - first):]
 
 
-def _sampled_logits(model: CausalLM, hidden: torch.Tensor, token_logits: torch.Tensor | None,
-                    indices: np.ndarray, device: torch.device) -> torch.Tensor:
+def _sampled_logits(logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    token_logits: torch.Tensor | None, indices: np.ndarray, device: torch.device) -> torch.Tensor:
     """The logits of the tokens at ``indices``: from a step graph's logits of every token
     (all of them, in a decode step where every request samples: no copy), or computed."""
     if token_logits is not None and len(indices) == len(token_logits):
@@ -433,7 +440,7 @@ def _sampled_logits(model: CausalLM, hidden: torch.Tensor, token_logits: torch.T
     rows = torch.from_numpy(indices).to(device)
     if token_logits is not None:
         return token_logits[rows]
-    return model.compute_logits(hidden[rows])
+    return logits_of(hidden, rows)
 
 
 def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:

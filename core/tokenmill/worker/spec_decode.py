@@ -56,7 +56,7 @@ class SpecDecodeRunner:
         drafts = [self.drafts[s.req_id] for s in states]
         ends = inputs.query_start[1:][steps]
         positions = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)])
-        raw = runner.model.compute_logits(hidden[torch.from_numpy(positions).to(runner.device)]).float()
+        raw = runner.compute_logits(hidden, torch.from_numpy(positions).to(runner.device)).float()
         metadata = _position_metadata(runner, states, drafts)
         logits = Sampler.apply_logits_processors(_masked_by_grammar(raw.clone(), grammar, states, drafts), metadata)
         result = rejection_sample(logits, metadata, drafts, [s.generator for s in states])
