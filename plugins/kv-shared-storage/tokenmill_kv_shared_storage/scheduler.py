@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from tokenmill.plugin_api import KVConnectorContext, Request, ScheduledKVRequest
+from tokenmill.plugin_api import KVConnectorContext, KVTransferParams, Request, ScheduledKVRequest
 from tokenmill_kv_shared_storage.metadata import BlockRef, SharedStorageMetadata, block_file, storage_folder
 
 
@@ -49,6 +50,13 @@ class SharedStorageScheduler:
                   len(entry.request.block_hashes), len(entry.block_ids))
         return [(entry.block_ids[i], entry.request.block_hashes[i].hex()) for i in range(first, end)]
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Every save is written within its step: nothing to keep. A request that asked
+        ``do_remote_decode`` is told its blocks are in the folder (a consumer finds them by their
+        hashes, so the params name no producer); a consumer loads what the folder holds whatever
+        its params say (the folder is a tier, not a peer that could be gone)."""
         self._loads.pop(request.request_id, None)
-        return False  # every save is written within its step: nothing to keep
+        params = KVTransferParams.of(request)
+        if params is None or not params.do_remote_decode or not self.config.is_producer:
+            return False, None
+        return False, {"do_remote_prefill": True, "do_remote_decode": False}

@@ -13,7 +13,7 @@ import zmq
 from tokenmill.plugin_api import AttentionMetadata, KVCache, KVConnectorContext, KVConnectorOutput
 from tokenmill_kv_zmq.fetch import FetchFailed, fetch_blocks
 from tokenmill_kv_zmq.offers import OfferBook
-from tokenmill_kv_zmq.options import BlockRef, ZmqMetadata, ZmqOptions
+from tokenmill_kv_zmq.options import BlockRef, FetchSource, ZmqMetadata, ZmqOptions
 from tokenmill_kv_zmq.server import KVServer
 from tokenmill_kv_zmq.wire import scatter
 
@@ -68,8 +68,10 @@ class ZmqWorker:
     def start_load_kv(self) -> None:
         for req_id, blocks in self._metadata.loads.items():
             cancelled = threading.Event()
-            future = self._pool.submit(fetch_blocks, self._zmq, self.options.peers, [h for _, h in blocks],
-                                       self.kv_caches, self.options.fetch_timeout_s, cancelled)
+            source = self._metadata.sources.get(req_id) or FetchSource(tuple(self.options.peers))
+            future = self._pool.submit(fetch_blocks, self._zmq, source.peers, [h for _, h in blocks],
+                                       self.kv_caches, self.options.fetch_timeout_s, cancelled,
+                                       source.remote_request_id)
             self._fetches[req_id] = _Fetch(blocks, future, cancelled)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
