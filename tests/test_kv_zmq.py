@@ -229,7 +229,7 @@ def test_a_consumer_with_no_peers_fetches_from_the_producer_its_kv_transfer_para
     assert [len(a["remote_block_ids"]) for a in answers] == [n // BLOCK for n in LENGTHS]  # the kept prompt blocks
     counter = ScheduledTokens()
     consumer = _engine(llama_path, "kv_consumer", counter, fetch_timeout_s=10)  # knows no producer itself
-    outputs = [consumer.generate([{"prompt_token_ids": p}], _with_params(a))[0] for p, a in zip(prompts, answers)]
+    outputs = [consumer.generate([{"prompt_token_ids": p}], _with_params(a))[0] for p, a in zip(prompts, answers, strict=True)]
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert consumer.engine.scheduler_stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
     assert counter.total == sum(n - _loadable(n) for n in LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
@@ -252,7 +252,7 @@ def test_params_naming_a_refusing_producer_or_no_prefill_cost_a_recompute_at_onc
         prompts = _prompts()
         started = time.monotonic()
         got = [list(consumer.generate([{"prompt_token_ids": p}], _with_params(params))[0].outputs[0].token_ids)
-               for p, params in zip(prompts, [refused, {"do_remote_prefill": False}] * 2)]
+               for p, params in zip(prompts, [refused, {"do_remote_prefill": False}] * 2, strict=True)]
         assert time.monotonic() - started < 60  # the refusal is seen at once, not at the 120 s deadline
         assert got == expected
         assert consumer.engine.scheduler_stats.prefix_cache_external_hits == 0

@@ -154,7 +154,8 @@ def test_the_connectors_kv_transfer_params_ride_on_the_finishing_output_only():
     outputs = []
     for _ in range(3):
         out = scheduler.schedule()
-        outputs += scheduler.update_from_output(out, ModelRunnerOutput(sampled=dict.fromkeys(out.num_scheduled_tokens, [7])))
+        sampled = {rid: [7] for rid in out.num_scheduled_tokens}
+        outputs += scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     assert [o.kv_transfer_params for o in outputs] == [None, answer]  # two tokens: on the last one
     assert scheduler.has_kept_blocks  # (keep, params): the blocks are kept as with a bare True
 
