@@ -125,5 +125,25 @@ def test_as_an_offload_tier_an_evicted_prefix_is_loaded_back(llama_path, tmp_pat
 def test_an_unknown_connector_or_a_parallel_layout_fails_the_start(llama_path):
     with pytest.raises(ValueError, match=r"unknown KV connector 'nope' \(known: .*kv_shared_storage"):
         LLM(str(llama_path), kv_transfer_config={"kv_connector": "nope"})
-    with pytest.raises(ValueError, match="one worker rank only"):
-        LLM(str(llama_path), tensor_parallel_size=2, kv_transfer_config={"kv_connector": "kv_shared_storage"})
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        LLM(str(llama_path), pipeline_parallel_size=2, kv_transfer_config={"kv_connector": "kv_shared_storage"})
+
+
+def test_under_tensor_parallelism_each_rank_writes_and_loads_its_own_heads(llama_path, tmp_path, expected):
+    prompts = _prompts()
+    producer = _engine(llama_path, tmp_path, "kv_producer", kv_cache_memory="8MiB", tensor_parallel_size=2)
+    assert _generate(producer, prompts) == expected
+    producer.engine.shutdown()
+    num_blocks = sum(n // BLOCK for n in LENGTHS)
+    assert len(list(tmp_path.glob("*.tp2.r0.kvb"))) == len(list(tmp_path.glob("*.tp2.r1.kvb"))) == num_blocks
+    counter = ScheduledTokens()
+    consumer = _engine(llama_path, tmp_path, "kv_consumer", counter, kv_cache_memory="8MiB", tensor_parallel_size=2)
+    assert _generate(consumer, prompts) == expected
+    stats = consumer.engine.scheduler_stats
+    assert stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
+    assert counter.total == sum(LENGTHS) - stats.prefix_cache_external_hits + len(LENGTHS) * (MAX_TOKENS - 1)
+    consumer.engine.shutdown()
+    single = _engine(llama_path, tmp_path, "kv_consumer", kv_cache_memory="8MiB")  # one rank: holds all heads
+    assert _generate(single, prompts) == expected
+    assert single.engine.scheduler_stats.prefix_cache_external_hits == 0  # another layout's files are not its
+    single.engine.shutdown()

@@ -14,18 +14,20 @@ class SharedStorageScheduler:
         self.config = context.transfer_config
         self.block_size = context.block_size
         self.folder = storage_folder(self.config.kv_connector_extra_config)
+        self.num_ranks = context.engine_config.tensor_parallel_size  # each rank writes its own file of a block
         self._loads: dict[str, list[BlockRef]] = {}  # allocated since the last step, to load
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """The run of blocks after the local hit whose files exist (their content is checked
-        when the worker reads them), leaving the last prompt token to compute."""
+        """The run of blocks after the local hit whose files exist, every rank's (their content
+        is checked when the workers read them), leaving the last prompt token to compute."""
         if not self.config.is_consumer:
             return 0
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size
         found = 0
         for block_hash in request.block_hashes[first:last]:
-            if not block_file(self.folder, block_hash.hex()).is_file():
+            if not all(block_file(self.folder, block_hash.hex(), rank, self.num_ranks).is_file()
+                       for rank in range(self.num_ranks)):
                 break
             found += 1
         return found * self.block_size
