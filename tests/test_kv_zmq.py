@@ -271,3 +271,10 @@ def test_a_producer_frees_at_once_what_do_remote_decode_false_says_nobody_fetche
     assert output.kv_transfer_params is None
     assert _free_blocks(llm)[0] == _free_blocks(llm)[1]
     llm.engine.shutdown()
+
+
+def test_more_than_one_worker_rank_fails_the_start(llama_path):
+    with pytest.raises(Exception, match="'kv_zmq' runs with one worker rank only"):
+        LLM(str(llama_path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB", tensor_parallel_size=2,
+            kv_transfer_config={"kv_connector": "kv_zmq", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"bind": _free_endpoint()}})

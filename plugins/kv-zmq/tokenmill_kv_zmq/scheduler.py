@@ -25,9 +25,6 @@ class ZmqScheduler:
     def __init__(self, context: KVConnectorContext) -> None:
         self.config = context.transfer_config
         self.options = ZmqOptions.parse(self.config.kv_connector_extra_config)
-        if context.engine_config.world_size > 1:
-            raise ValueError("kv_zmq runs with one worker rank only, for now (kv_shared_storage runs under "
-                             "tensor parallelism)")
         if self.config.is_producer and not self.options.bind:
             raise ValueError("kv_zmq: a producer needs kv_connector_extra_config={'bind': 'tcp://HOST:PORT'}")
         self.address = self.options.advertised_address() if self.config.is_producer else None
