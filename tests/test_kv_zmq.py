@@ -40,10 +40,12 @@ def _loadable(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK
 
 
-def _engine(model: Path, role: str, counter: ScheduledTokens | None = None, **extra) -> LLM:
+def _engine(model: Path, role: str, counter: ScheduledTokens | None = None, tensor_parallel_size: int = 1,
+            **extra) -> LLM:
     transfer = {"kv_connector": "kv_zmq", "kv_role": role, "kv_connector_extra_config": extra}
     return LLM(str(model), dtype="float32", max_model_len=128, block_size=BLOCK, kv_cache_memory="8MiB",
-               kv_transfer_config=transfer, stat_loggers=[counter] if counter else [])
+               kv_transfer_config=transfer, stat_loggers=[counter] if counter else [],
+               tensor_parallel_size=tensor_parallel_size)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -273,8 +275,35 @@ def test_a_producer_frees_at_once_what_do_remote_decode_false_says_nobody_fetche
     llm.engine.shutdown()
 
 
-def test_more_than_one_worker_rank_fails_the_start(llama_path):
-    with pytest.raises(Exception, match="'kv_zmq' runs with one worker rank only"):
-        LLM(str(llama_path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB", tensor_parallel_size=2,
-            kv_transfer_config={"kv_connector": "kv_zmq", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"bind": _free_endpoint()}})
+
+def _tp_endpoint() -> str:
+    """A base port whose next one is free too (rank 1 serves there)."""
+    while True:
+        base = _free_endpoint()
+        host, port = base.removeprefix("tcp://").rsplit(":", 1)
+        with zmq.Context.instance().socket(zmq.ROUTER) as probe:
+            try:
+                probe.bind(f"tcp://{host}:{int(port) + 1}")
+            except zmq.ZMQError:
+                continue
+        return base
+
+
+def test_under_tensor_parallelism_each_rank_fetches_its_own_heads_from_its_producer_rank(llama_path, expected):
+    prompts = _prompts()
+    producer = _engine(llama_path, "kv_producer", bind=_tp_endpoint(), lease_s=60, tensor_parallel_size=2)
+    asked = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    answers = [o.kv_transfer_params for o in producer.generate([{"prompt_token_ids": p} for p in prompts], asked)]
+    counter = ScheduledTokens()
+    consumer = _engine(llama_path, "kv_consumer", counter, fetch_timeout_s=10, tensor_parallel_size=2)
+    got = [list(consumer.generate([{"prompt_token_ids": p}], _with_params(a))[0].outputs[0].token_ids)
+           for p, a in zip(prompts, answers, strict=True)]
+    assert got == expected
+    assert consumer.engine.scheduler_stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
+    assert counter.total == sum(n - _loadable(n) for n in LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+    deadline = time.monotonic() + 10
+    while _free_blocks(producer)[0] < _free_blocks(producer)[1] and time.monotonic() < deadline:
+        producer.engine.step()  # freed once both ranks sent their slice
+    assert _free_blocks(producer)[0] == _free_blocks(producer)[1]
+    consumer.engine.shutdown()
+    producer.engine.shutdown()

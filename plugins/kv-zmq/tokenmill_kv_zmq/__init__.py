@@ -31,4 +31,5 @@ def tokenmill_register_kv_connectors() -> list[KVConnectorSpec]:
         name="kv_zmq",
         scheduler_qualname="tokenmill_kv_zmq.scheduler:ZmqScheduler",
         worker_qualname="tokenmill_kv_zmq.worker:ZmqWorker",
+        tensor_parallel=True,  # rank r serves and fetches its own KV heads on the base port + r
     )]

@@ -42,6 +42,17 @@ class ZmqOptions(BaseModel):
         return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def rank_endpoint(base: str, rank: int) -> str:
+    """Rank ``rank``'s endpoint under tensor parallelism: each rank serves (and fetches) its own KV
+    heads on the base port plus its rank; rank 0's is the base itself."""
+    if rank == 0:
+        return base
+    head, sep, port = base.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"kv_zmq: an endpoint under tensor parallelism must be tcp://HOST:PORT, got {base!r}")
+    return f"{head}:{int(port) + rank}"
+
+
 def endpoint(host: str, port: int) -> str:
     """The ZeroMQ endpoint of a producer that kv_transfer_params name (an IPv6 address bracketed)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
