@@ -10,6 +10,9 @@ address, and the router hands that to the consumer). Options:
 that has not fetched them) and ``"fetch_timeout_s"`` (default 5: how long a consumer waits for a
 complete, checked answer before computing the prompt itself).
 
+Under tensor parallelism rank ``r`` serves and fetches its own KV heads on the ``bind`` (and
+peer) port plus ``r``: a producer takes as many consecutive ports as it has ranks.
+
 A producer keeps the blocks of each prompt it finishes and offers them under their prefix-cache
 hashes; a consumer asks its peers for the hashes of a prompt's prefix, and the one that holds
 them all sends them, layer by layer, straight from its paged cache. Every block carries a
