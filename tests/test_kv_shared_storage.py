@@ -125,5 +125,25 @@ def test_as_an_offload_tier_an_evicted_prefix_is_loaded_back(llama_path, tmp_pat
 def test_an_unknown_connector_or_a_parallel_layout_fails_the_start(llama_path):
     with pytest.raises(ValueError, match=r"unknown KV connector 'nope' \(known: .*kv_shared_storage"):
         LLM(str(llama_path), kv_transfer_config={"kv_connector": "nope"})
-    with pytest.raises(ValueError, match="one worker rank only"):
-        LLM(str(llama_path), tensor_parallel_size=2, kv_transfer_config={"kv_connector": "kv_shared_storage"})
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        LLM(str(llama_path), pipeline_parallel_size=2, kv_transfer_config={"kv_connector": "kv_shared_storage"})
+
+
+def test_under_tensor_parallelism_each_rank_writes_and_loads_its_own_heads(llama_path, tmp_path, expected):
+    """One engine of two ranks as its own offload tier (one engine start, not two): every rank writes
+    its file of each block, and an evicted prefix comes back from both ranks' files."""
+    prompts = _prompts()
+    counter = ScheduledTokens()
+    llm = _engine(llama_path, tmp_path, "kv_both", counter, num_kv_blocks=8, tensor_parallel_size=2)
+    assert _generate(llm, prompts) == expected  # the last prompt's blocks are evicted by the ones after it
+    num_blocks = sum(n // BLOCK for n in LENGTHS)
+    assert len(list(tmp_path.glob("*.tp2.r0.kvb"))) == len(list(tmp_path.glob("*.tp2.r1.kvb"))) == num_blocks
+    before = llm.engine.scheduler_stats
+    counter.total = 0
+    assert _generate(llm, [prompts[0]]) == [expected[0]]
+    after = llm.engine.scheduler_stats
+    device_hits = after.prefix_cache_hits - before.prefix_cache_hits
+    external_hits = after.prefix_cache_external_hits - before.prefix_cache_external_hits
+    assert external_hits > 0 and device_hits + external_hits == _loadable(LENGTHS[0])
+    assert counter.total == LENGTHS[0] - _loadable(LENGTHS[0]) + MAX_TOKENS - 1
+    llm.engine.shutdown()

@@ -40,10 +40,12 @@ def _loadable(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK
 
 
-def _engine(model: Path, role: str, counter: ScheduledTokens | None = None, **extra) -> LLM:
+def _engine(model: Path, role: str, counter: ScheduledTokens | None = None, tensor_parallel_size: int = 1,
+            **extra) -> LLM:
     transfer = {"kv_connector": "kv_zmq", "kv_role": role, "kv_connector_extra_config": extra}
     return LLM(str(model), dtype="float32", max_model_len=128, block_size=BLOCK, kv_cache_memory="8MiB",
-               kv_transfer_config=transfer, stat_loggers=[counter] if counter else [])
+               kv_transfer_config=transfer, stat_loggers=[counter] if counter else [],
+               tensor_parallel_size=tensor_parallel_size)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -211,3 +213,97 @@ def test_a_request_aborted_while_fetching_gives_its_blocks_back_at_once(llama_pa
         assert time.monotonic() - started < 60
     finally:
         silent.close(linger=0)
+
+
+def _with_params(params: dict) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          extra_args={"kv_transfer_params": params})
+
+
+def test_a_consumer_with_no_peers_fetches_from_the_producer_its_kv_transfer_params_name(llama_path, producer,
+                                                                                         expected):
+    prompts = _prompts()
+    asked = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    answers = [o.kv_transfer_params for o in producer.generate([{"prompt_token_ids": p} for p in prompts], asked)]
+    host, port = producer.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    assert all(a["do_remote_prefill"] is True and (a["remote_host"], a["remote_port"]) == (host, int(port))
+               for a in answers), answers
+    assert [len(a["remote_block_ids"]) for a in answers] == [n // BLOCK for n in LENGTHS]  # the kept prompt blocks
+    counter = ScheduledTokens()
+    consumer = _engine(llama_path, "kv_consumer", counter, fetch_timeout_s=10)  # knows no producer itself
+    outputs = [consumer.generate([{"prompt_token_ids": p}], _with_params(a))[0] for p, a in zip(prompts, answers, strict=True)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert consumer.engine.scheduler_stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
+    assert counter.total == sum(n - _loadable(n) for n in LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+    assert _generate(consumer, [_prompts(5)[2]]) and _worker_counter(consumer, "num_fetched") == len(LENGTHS)
+    assert all(o.kv_transfer_params is None for o in outputs)  # a consumer has nothing to answer
+    producer.engine.step()
+    free, total = _free_blocks(producer)
+    assert free == total  # each request named in a fetch was freed once sent
+    consumer.engine.shutdown()
+
+
+def test_params_naming_a_refusing_producer_or_no_prefill_cost_a_recompute_at_once(llama_path, expected):
+    nobody = _free_endpoint().removeprefix("tcp://").rsplit(":", 1)  # nothing listens there
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # a configured peer that would take a fetch, never answer
+    silent_endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        counter = ScheduledTokens()
+        consumer = _engine(llama_path, "kv_consumer", counter, peers=[silent_endpoint], fetch_timeout_s=120)
+        refused = {"do_remote_prefill": True, "remote_host": nobody[0], "remote_port": int(nobody[1])}
+        prompts = _prompts()
+        started = time.monotonic()
+        got = [list(consumer.generate([{"prompt_token_ids": p}], _with_params(params))[0].outputs[0].token_ids)
+               for p, params in zip(prompts, [refused, {"do_remote_prefill": False}] * 2, strict=True)]
+        assert time.monotonic() - started < 60  # the refusal is seen at once, not at the 120 s deadline
+        assert got == expected
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == 0
+        assert counter.total == sum(LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+        assert _worker_counter(consumer, "num_failed_fetches") == 2  # the refused ones; the others asked nobody
+        assert not silent.poll(0)  # named params are not sent to the configured peers
+        consumer.engine.shutdown()
+    finally:
+        silent.close(linger=0)
+
+
+def test_a_producer_frees_at_once_what_do_remote_decode_false_says_nobody_fetches(llama_path):
+    llm = _engine(llama_path, "kv_producer", bind=_free_endpoint(), lease_s=600)
+    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": False}})
+    (output,) = llm.generate([{"prompt_token_ids": _prompts()[3]}], params)
+    assert output.kv_transfer_params is None
+    assert _free_blocks(llm)[0] == _free_blocks(llm)[1]
+    llm.engine.shutdown()
+
+
+
+def _tp_endpoint() -> str:
+    """A base port whose next one is free too (rank 1 serves there)."""
+    while True:
+        base = _free_endpoint()
+        host, port = base.removeprefix("tcp://").rsplit(":", 1)
+        with zmq.Context.instance().socket(zmq.ROUTER) as probe:
+            try:
+                probe.bind(f"tcp://{host}:{int(port) + 1}")
+            except zmq.ZMQError:
+                continue
+        return base
+
+
+def test_under_tensor_parallelism_each_rank_fetches_its_own_heads_from_its_producer_rank(llama_path, expected):
+    prompts = _prompts()
+    producer = _engine(llama_path, "kv_producer", bind=_tp_endpoint(), lease_s=60, tensor_parallel_size=2)
+    asked = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    answers = [o.kv_transfer_params for o in producer.generate([{"prompt_token_ids": p} for p in prompts], asked)]
+    counter = ScheduledTokens()
+    consumer = _engine(llama_path, "kv_consumer", counter, fetch_timeout_s=10, tensor_parallel_size=2)
+    got = [list(consumer.generate([{"prompt_token_ids": p}], _with_params(a))[0].outputs[0].token_ids)
+           for p, a in zip(prompts, answers, strict=True)]
+    assert got == expected
+    assert consumer.engine.scheduler_stats.prefix_cache_external_hits == sum(_loadable(n) for n in LENGTHS)
+    assert counter.total == sum(n - _loadable(n) for n in LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
+    deadline = time.monotonic() + 10
+    while _free_blocks(producer)[0] < _free_blocks(producer)[1] and time.monotonic() < deadline:
+        producer.engine.step()  # freed once both ranks sent their slice
+    assert _free_blocks(producer)[0] == _free_blocks(producer)[1]
+    consumer.engine.shutdown()
+    producer.engine.shutdown()

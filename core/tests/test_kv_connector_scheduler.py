@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
+from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache import KVCacheManager
-from tokenmill.kv_transfer import KVConnectorOutput, ScheduledKVRequest
+from tokenmill.kv_transfer import KVConnectorOutput, KVTransferParams, ScheduledKVRequest
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -19,9 +22,10 @@ BLOCK = 4
 class ScriptedConnector:
     """Offers ``offers[req_id]`` tokens; records what the scheduler tells it."""
 
-    def __init__(self, offers: dict[str, int], keep: bool = False) -> None:
+    def __init__(self, offers: dict[str, int], keep: bool = False, answer: dict[str, Any] | None = None) -> None:
         self.offers = offers
         self.keep = keep
+        self.answer = answer  # kv_transfer_params for a finished request's output, as (keep, answer)
         self.asked: list[str] = []
         self.allocated: dict[str, tuple[list[int], int]] = {}
         self.finished: list[str] = []
@@ -39,9 +43,9 @@ class ScriptedConnector:
         self.steps.append(([s.request.request_id for s in scheduled], set(finished_req_ids)))
         return {"step": len(self.steps)}
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
         self.finished.append(request.request_id)
-        return self.keep
+        return self.keep if self.answer is None else (self.keep, self.answer)
 
 
 def _scheduler(connector: ScriptedConnector, num_blocks: int = 64) -> Scheduler:
@@ -141,3 +145,26 @@ def test_each_step_hands_the_connector_its_scheduled_requests():
     scheduler.add_request(_request("a", 5))
     _step(scheduler)
     assert connector.steps == [(["a"], set())]
+
+
+def test_the_connectors_kv_transfer_params_ride_on_the_finishing_output_only():
+    answer = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 5600}
+    scheduler = _scheduler(ScriptedConnector({}, keep=True, answer=answer))
+    scheduler.add_request(_request("r", 6))
+    outputs = []
+    for _ in range(3):
+        out = scheduler.schedule()
+        sampled = {rid: [7] for rid in out.num_scheduled_tokens}
+        outputs += scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
+    assert [o.kv_transfer_params for o in outputs] == [None, answer]  # two tokens: on the last one
+    assert scheduler.has_kept_blocks  # (keep, params): the blocks are kept as with a bare True
+
+
+def test_kv_transfer_params_of_the_wrong_shape_are_refused_when_the_request_is_made():
+    good = SamplingParams(extra_args={"kv_transfer_params": {"do_remote_decode": True, "a_connectors_own": [1]}})
+    assert KVTransferParams.parse(good.extra_args["kv_transfer_params"]).do_remote_decode is True
+    for bad in ({"do_remote_prefill": "yes"}, {"remote_port": 70000}, {"remote_port": "5600"},
+                {"remote_block_ids": [1, -2]}, {"remote_host": ""}, ["do_remote_decode"]):
+        with pytest.raises(InvalidRequestError) as raised:
+            SamplingParams(extra_args={"kv_transfer_params": bad})
+        assert raised.value.param == "kv_transfer_params"

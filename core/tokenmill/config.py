@@ -203,8 +203,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_kv_transfer(self) -> EngineConfig:
-        if self.kv_transfer_config is not None and self.world_size > 1:
-            raise ValueError("a KV connector (kv_transfer_config) runs with one worker rank only, for now")
+        # under tensor parallelism each rank moves its own KV heads (a connector may refuse it at start)
+        if self.kv_transfer_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("a KV connector (kv_transfer_config) does not run under pipeline parallelism, for now")
         return self
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -43,3 +44,5 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None  # set for pooling (embedding) requests
+    # the KV connector's answer once finished (a prefill engine's: where a decode engine finds the KV)
+    kv_transfer_params: dict[str, Any] | None = None

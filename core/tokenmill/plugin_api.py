@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         KVConnectorScheduler,
         KVConnectorWorker,
         KVTransferConfig,
+        KVTransferParams,
         ScheduledKVRequest,
     )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
@@ -125,7 +126,7 @@ _LAZY = {
     **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext", "TargetHiddenStates"],
                     "tokenmill.spec_decode.proposer"),
     **dict.fromkeys(["KVConnectorContext", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
-                     "KVTransferConfig", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
+                     "KVTransferConfig", "KVTransferParams", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
     "Request": "tokenmill.request",
     **dict.fromkeys(["dequantize_kv", "gather_blocks", "is_fp8", "kv_cache_torch_dtype", "quantize_kv", "write_kv"],
                     "tokenmill.kv_cache.fp8"),
@@ -224,6 +225,7 @@ __all__ = [
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVTransferConfig",
+    "KVTransferParams",
     "Request",
     "ScheduledKVRequest",
     # the process's plugin registry (to look up what other plugins registered)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_transfer.params import KV_TRANSFER_PARAMS, KVTransferParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -96,6 +97,7 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias values must be finite numbers", param="logit_bias")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
+        KVTransferParams.parse(self.extra_args.get(KV_TRANSFER_PARAMS))  # a connector reads them mid-step: check now
 
     @property
     def is_greedy(self) -> bool:

@@ -1,9 +1,12 @@
 """``tokenmill router`` over real ``tokenmill serve`` processes on 127.0.0.1: a prefill server
 (a KV producer), a decode server (its consumer) and the router, driven by the openai client,
 with each connector (``kv_shared_storage``, ``kv_zmq``). Through the router, completions and chat (streamed or not) are a single server's
-greedy output, and the decode server loads the prompts' KV instead of computing it; a dead
+greedy output, and the decode server loads the prompts' KV instead of computing it (a kv_zmq
+decode server knows no producer: the prefill answer's kv_transfer_params name it); a dead
 prefill server costs a recompute on decode, and a client that leaves mid-stream leaves no
-request and no block taken on either side."""
+request and no block taken on either side. A server answers kv_transfer_params streamed or
+not, refuses ill-typed ones with a 400, and recomputes at once where they name a producer
+that refuses."""
 
 from __future__ import annotations
 
@@ -83,8 +86,8 @@ def _pair_args(connector: str, tmp_path_factory) -> tuple[str, str]:
     if connector == "kv_shared_storage":
         folder = tmp_path_factory.mktemp("kv-store")
         return _transfer("kv_producer", folder), _transfer("kv_consumer", folder)
-    endpoint = _zmq_endpoint()
-    return _zmq("kv_producer", bind=endpoint), _zmq("kv_consumer", peers=[endpoint])
+    # the consumer knows no producer: it fetches from the one the router's kv_transfer_params name
+    return _zmq("kv_producer", bind=_zmq_endpoint()), _zmq("kv_consumer")
 
 
 @pytest.fixture(scope="module", params=["kv_shared_storage", "kv_zmq"])
@@ -218,6 +221,7 @@ def zmq_pair(tiny_args, tmp_path_factory):
     endpoint = _zmq_endpoint()
     producer = Server(tiny_args("--kv-transfer-config", _zmq("kv_producer", bind=endpoint, lease_s=1)),
                       tmp_path_factory.mktemp("producer") / "server.log")
+    producer.zmq_endpoint = endpoint
     consumer = Server(tiny_args("--kv-transfer-config", _zmq("kv_consumer", peers=[endpoint], fetch_timeout_s=2)),
                       tmp_path_factory.mktemp("consumer") / "server.log")
     yield producer, consumer
@@ -229,6 +233,58 @@ def _prefill_directly(server: Server, prompt: list[int]) -> None:
     response = httpx.post(f"{server.url}/v1/completions", timeout=60,
                           json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
     assert response.status_code == 200, response.text
+
+
+def _ask_prefill(server: Server, kind: str, stream: bool, seed: int) -> dict | None:
+    """What the router asks a prefill server (do_remote_decode, one token): the answer's kv_transfer_params."""
+    body: dict = {"model": MODEL, "max_tokens": 1, "temperature": 0, "stream": stream,
+                  "kv_transfer_params": {"do_remote_decode": True}}
+    if kind == "completions":
+        body["prompt"] = _token_prompts(seed)[3]
+    else:
+        body["messages"] = _chat_messages(seed)[3]
+    response = httpx.post(f"{server.url}/v1/{'completions' if kind == 'completions' else 'chat/completions'}",
+                          json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if not stream:
+        return response.json()["kv_transfer_params"]
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    carrying = [c for c in chunks if c.get("kv_transfer_params") is not None]
+    assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] is not None  # once, on the last
+    return carrying[0]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_zmq_prefill_server_answers_where_its_kv_is_streamed_or_not(zmq_pair, kind, stream):
+    producer, _consumer = zmq_pair
+    params = _ask_prefill(producer, kind, stream, seed=30 + stream + 2 * (kind == "chat"))
+    assert params is not None and params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert f"tcp://{params['remote_host']}:{params['remote_port']}" == producer.zmq_endpoint
+    assert params["remote_block_ids"] and params["remote_request_id"]
+
+
+def test_ill_typed_kv_transfer_params_are_a_400_and_a_refusing_producer_a_recompute(zmq_pair, start_server,
+                                                                                    tiny_args):
+    _producer, consumer = zmq_pair
+    prompt = _token_prompts(31)[3]
+    for bad in ({"do_remote_prefill": "yes"}, {"remote_port": "5600"}, ["do_remote_prefill"]):
+        response = httpx.post(f"{consumer.url}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": bad})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith("kv_transfer_params"), response.text
+    host, port = _zmq_endpoint().removeprefix("tcp://").rsplit(":", 1)  # nobody listens there
+    before = _counters(consumer)
+    consumer_client = openai.OpenAI(base_url=f"{consumer.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    refused = {"do_remote_prefill": True, "remote_host": host, "remote_port": int(port)}
+    text = consumer_client.completions.create(prompt=prompt, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "kv_transfer_params": refused}}).choices[0].text
+    plain_client = openai.OpenAI(base_url=f"{start_server(tiny_args()).url}/v1", api_key="unused", max_retries=0,
+                                 timeout=60)
+    assert text == _complete(plain_client, prompt, stream=False)[0]
+    after = _counters(consumer)
+    assert after["tokenmill:prefix_cache_external_hits_total"] == before["tokenmill:prefix_cache_external_hits_total"]
 
 
 def test_a_zmq_producer_frees_what_no_consumer_fetches_after_its_lease(zmq_pair):
@@ -258,3 +314,4 @@ def test_a_zmq_producer_killed_before_the_fetch_costs_the_consumer_a_recompute(z
     assert after["tokenmill:prefix_cache_external_hits_total"] == before["tokenmill:prefix_cache_external_hits_total"]
     stats = _wait_all_free(consumer)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499
-# Fields a prefill request leaves out: it samples one token, once, and answers at once.
+# Fields a prefill request leaves out: it samples one token, once, and answers at once (a stop string
+# would end it outside the engine step, which answers no kv_transfer_params).
 _NOT_FOR_PREFILL = ("stream", "stream_options", "n", "min_tokens", "max_completion_tokens", "logprobs",
-                    "top_logprobs", "best_of")
+                    "top_logprobs", "best_of", "stop")
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 _STREAMED: dict[int | str, dict[str, Any]] = {200: {"description": "JSON, or with `stream: true` server-sent events (`text/event-stream`), "
                                   "as the decode server answers",
@@ -123,7 +124,10 @@ async def _route(router: RouterState, request: Request, path: str) -> Response:
     prefilled = await _until_disconnected(request, _prefill(router, path, body, headers))
     if isinstance(prefilled, Response):  # the client left, or the prefill server refused the request
         return prefilled
-    decode_body = {**body, "kv_transfer_params": {**prefilled, "do_remote_prefill": True}}
+    # the prefill server's answer says where its KV is (and may say there is none to load); without a
+    # prefill, decode computes the prompt at once
+    transfer = {"do_remote_prefill": False} if prefilled is None else {"do_remote_prefill": True, **prefilled}
+    decode_body = {**body, "kv_transfer_params": transfer}
     backend = await router.decode.choose(router.client, headers)
     if backend is None:
         return _error(503, "no decode server is reachable")
@@ -131,14 +135,14 @@ async def _route(router: RouterState, request: Request, path: str) -> Response:
 
 
 async def _prefill(router: RouterState, path: str, body: dict[str, Any],
-                   headers: dict[str, str]) -> dict[str, Any] | Response:
-    """The prefill server's ``kv_transfer_params`` (empty where it gives none or failed), or its
-    error answer for a request it refuses (4xx): decode would refuse it too."""
+                   headers: dict[str, str]) -> dict[str, Any] | Response | None:
+    """The prefill server's ``kv_transfer_params`` (empty where it gives none), None where it
+    failed, or its error answer for a request it refuses (4xx): decode would refuse it too."""
     backend = await router.prefill.choose(router.client, headers)
     if backend is None:
         router.prefill_failures += 1
         logger.warning("no prefill server is reachable: decode computes the prompt")
-        return {}
+        return None
     prefill_body = {key: value for key, value in body.items() if key not in _NOT_FOR_PREFILL}
     prefill_body.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     backend.in_flight += 1
@@ -148,7 +152,7 @@ async def _prefill(router: RouterState, path: str, body: dict[str, Any],
     except httpx.HTTPError as exc:
         router.prefill_failures += 1
         logger.warning("prefill on %s failed (%s): decode computes the prompt", backend.url, type(exc).__name__)
-        return {}
+        return None
     finally:
         backend.in_flight -= 1
     if 400 <= response.status_code < 500:
@@ -156,7 +160,7 @@ async def _prefill(router: RouterState, path: str, body: dict[str, Any],
     if response.status_code != 200:
         router.prefill_failures += 1
         logger.warning("prefill on %s answered %d: decode computes the prompt", backend.url, response.status_code)
-        return {}
+        return None
     params = response.json().get("kv_transfer_params")
     return params if isinstance(params, dict) else {}
 

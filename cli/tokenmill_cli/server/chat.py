@@ -129,7 +129,8 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
                           finish_reason=finish_reason, stop_reason=s.stop_reason)
                for s in final.outputs for message, finish_reason in [view.reply(s.text, s.finish_reason)]]
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]),
-                                      prompt_logprobs=_prompt_logprobs(body, state, final))
+                                      prompt_logprobs=_prompt_logprobs(body, state, final),
+                                      kv_transfer_params=final.kv_transfer_params)
     return JSONResponse(response.model_dump())
 
 
@@ -181,6 +182,7 @@ class _Stream:
     view: _View
     trackers: dict[int, DeltaTracker] = field(default_factory=dict)
     aborted: APIError | None = None  # the server ended the request: said after its last chunk
+    params_sent: bool = False  # the KV connector's kv_transfer_params went out (on a finishing chunk)
 
     async def events(self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         latest = first
@@ -221,7 +223,9 @@ class _Stream:
             if (message.content is None and message.tool_calls is None and message.reasoning_content is None
                     and finish_reason is None and logprobs is None):
                 continue  # text a parser holds back: it goes out with a later chunk
-            chunks.append(self._chunk(ChatStreamChoice(
-                index=sample.index, delta=message, logprobs=logprobs,
-                finish_reason=finish_reason, stop_reason=delta.stop_reason)))
+            chunk = self._chunk(ChatStreamChoice(index=sample.index, delta=message, logprobs=logprobs,
+                                                 finish_reason=finish_reason, stop_reason=delta.stop_reason))
+            if finish_reason is not None and output.kv_transfer_params is not None and not self.params_sent:
+                chunk.kv_transfer_params, self.params_sent = output.kv_transfer_params, True
+            chunks.append(chunk)
         return chunks

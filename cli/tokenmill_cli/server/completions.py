@@ -86,7 +86,9 @@ async def _serve(body: CompletionRequest, state: ServerState, request: Request) 
         if (error := output_error(output)) is not None:
             raise error
     choices = [view.choice(i * params.n + s.index, out, s) for i, out in enumerate(finals) for s in out.outputs]
-    response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals))
+    response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals),
+                                  kv_transfer_params=next((o.kv_transfer_params for o in finals
+                                                           if o.kv_transfer_params is not None), None))
     return JSONResponse(response.model_dump())
 
 
@@ -139,6 +141,7 @@ class _Stream:
     trackers: dict[int, DeltaTracker] = field(default_factory=dict)
     latest: dict[int, RequestOutput] = field(default_factory=dict)
     aborted: APIError | None = None  # the server ended the request: said after its last chunk
+    params_sent: set[int] = field(default_factory=set)  # prompts whose kv_transfer_params went out
 
     async def events(self, first: tuple[int, RequestOutput],
                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
@@ -167,8 +170,18 @@ class _Stream:
         for sample in output.outputs:
             choice = self._choice(prompt_index * self.view.params.n + sample.index, output, sample)
             if choice is not None:
-                chunks.append(CompletionResponse(id=self.request_id, model=self.model, choices=[choice]))
+                chunks.append(CompletionResponse(id=self.request_id, model=self.model, choices=[choice],
+                                                 kv_transfer_params=self._transfer_params(prompt_index, choice,
+                                                                                          output)))
         return chunks
+
+    def _transfer_params(self, prompt_index: int, choice: CompletionChoice,
+                         output: RequestOutput) -> dict[str, Any] | None:
+        """A prompt's KV connector answer, once, on the chunk that finishes one of its choices."""
+        if choice.finish_reason is None or output.kv_transfer_params is None or prompt_index in self.params_sent:
+            return None
+        self.params_sent.add(prompt_index)
+        return output.kv_transfer_params
 
     def _choice(self, index: int, output: RequestOutput, sample: CompletionOutput) -> CompletionChoice | None:
         tracker = self.trackers.setdefault(index, DeltaTracker(stop_holdback(self.view.params.stop)))

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, WithJsonSchema, model_validator
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_transfer.params import KVTransferParams
 from tokenmill_cli.server.openapi import TOKEN_ID_KEYS_MARKER, TOKEN_ID_MARKER
 
 # A token id: the schema's maximum (the vocabulary's last id) is written in when the app is built
@@ -107,6 +108,10 @@ class SamplingFields(_Request):
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
                                   description="seconds after which the request ends with finish_reason 'timeout', "
                                               "keeping what it generated (default: --request-timeout)")
+    kv_transfer_params: KVTransferParams | None = Field(
+        None, description="vLLM's disaggregated prefill/decode extra, for the KV connector (ignored without one): "
+                          "{'do_remote_decode': true} to a prefill server, whose answer's kv_transfer_params go "
+                          "to the decode server")
 
     @property
     def include_usage(self) -> bool:

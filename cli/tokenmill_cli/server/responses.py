@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.outputs import RequestOutput
+
+_KV_TRANSFER_PARAMS = ("the KV connector's answer to a request's kv_transfer_params (vLLM's): a prefill server's "
+                       "says where a decode server finds the prompt's KV; in a stream, on the last chunk")
 
 
 def new_id(prefix: str) -> str:
@@ -81,6 +84,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, description=_KV_TRANSFER_PARAMS)
 
 
 # -- chat ------------------------------------------------------------------------
@@ -137,6 +141,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = Field(None, description="with the prompt_logprobs extra (vLLM's)")
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, description=_KV_TRANSFER_PARAMS)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -176,6 +181,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, description=_KV_TRANSFER_PARAMS)
 
 
 # -- embeddings ------------------------------------------------------------------

@@ -7,8 +7,11 @@ the error handlers turn into a 400.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill import SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_transfer.params import KV_TRANSFER_PARAMS
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill_cli.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenmill_cli.server.response_format import request_constraint
@@ -56,7 +59,15 @@ def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: 
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=parse_logit_bias(request.logit_bias),
         structured_outputs=structured_outputs,
+        extra_args=_extra_args(request),
     )
+
+
+def _extra_args(request: SamplingFields) -> dict[str, Any]:
+    """vLLM's ``extra_args``: the request's ``kv_transfer_params``, for the KV connector."""
+    if request.kv_transfer_params is None:
+        return {}
+    return {KV_TRANSFER_PARAMS: request.kv_transfer_params.answer()}
 
 
 def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

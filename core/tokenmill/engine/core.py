@@ -19,7 +19,7 @@ from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_transfer.connector import KVConnectorContext, KVConnectorScheduler
-from tokenmill.kv_transfer.registry import build_scheduler_connector, connector_spec
+from tokenmill.kv_transfer.registry import build_scheduler_connector, check_connector, connector_spec
 from tokenmill.lora.adapter import LoRAAdapterLoader
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
@@ -69,7 +69,7 @@ class EngineCore:
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.text_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)
         if config.kv_transfer_config is not None:  # an unknown connector fails the start, before any worker
-            connector_spec(self.plugins, config.kv_transfer_config.kv_connector)
+            check_connector(connector_spec(self.plugins, config.kv_transfer_config.kv_connector), config)
         if config.pipeline_parallel_size > 1:
             check_pipeline_parallel(self.checkpoint.hf_config,
                                     resolve_model_class(self.checkpoint, self.plugins, self.platform),

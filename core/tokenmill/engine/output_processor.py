@@ -53,6 +53,7 @@ class _Parent:
     num_cached_tokens: int = 0
     error: str | None = None
     embedding: list[float] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # the first sample's that has any (n samples: one prompt)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +62,8 @@ class _Parent:
     def output(self) -> RequestOutput:
         completions = [s.completion() for s in sorted(self.samples.values(), key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.prompt_logprobs, self.num_cached_tokens, self.error, embedding=self.embedding)
+                             self.prompt_logprobs, self.num_cached_tokens, self.error, embedding=self.embedding,
+                             kv_transfer_params=self.kv_transfer_params)
 
 
 class OutputProcessor:
@@ -170,6 +172,8 @@ class OutputProcessor:
         parent.num_cached_tokens = out.num_cached_tokens
         if out.pooled is not None:
             parent.embedding = out.pooled
+        if out.kv_transfer_params is not None and parent.kv_transfer_params is None:
+            parent.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs is not None:
             parent.prompt_logprobs = [None] + [self._logprob_dict(e) for e in out.new_prompt_logprobs]
         sample.token_ids.extend(out.new_token_ids)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, TypeVar, overload
 
+from tokenmill.kv_transfer.aggregate import KVOutputAggregator
 from tokenmill.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.spec import WorkerSpec
 
@@ -101,7 +102,13 @@ class Executor(ABC):
         if non_block:
             return picked(self.collective_rpc("sample_tokens", (grammar,), non_block=True), self.spec.sampling_rank)
         outputs: list[ModelRunnerOutput] = self.collective_rpc("sample_tokens", (grammar,))
-        return outputs[self.spec.sampling_rank]
+        output = outputs[self.spec.sampling_rank]
+        if len(outputs) > 1 and any(o.kv_connector_output is not None for o in outputs):
+            # each rank moves its own slice of the KV: a transfer is done once every rank's is
+            if getattr(self, "_kv_outputs", None) is None:
+                self._kv_outputs = KVOutputAggregator(len(outputs))
+            output.kv_connector_output = self._kv_outputs.merge([o.kv_connector_output for o in outputs])
+        return output
 
     def shutdown(self) -> None:
         """Release workers and device memory."""

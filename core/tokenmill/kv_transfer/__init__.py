@@ -13,6 +13,7 @@ from tokenmill.kv_transfer.connector import (
     KVConnectorWorker,
     ScheduledKVRequest,
 )
+from tokenmill.kv_transfer.params import KVTransferParams
 
 __all__ = [
     "KVConnectorContext",
@@ -20,5 +21,6 @@ __all__ = [
     "KVConnectorScheduler",
     "KVConnectorWorker",
     "KVTransferConfig",
+    "KVTransferParams",
     "ScheduledKVRequest",
 ]

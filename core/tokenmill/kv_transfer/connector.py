@@ -34,7 +34,14 @@ scheduler, in ``update_from_output``:
   7. when a request finishes, ``request_finished(request, block_ids)``: ``True`` keeps its
      blocks (a producer whose consumer has not fetched them yet) until the worker side
      reports the request in ``finished_sending``; the connector must report it in the end
-     (after a lease if no consumer comes), or the blocks stay taken.
+     (after a lease if no consumer comes), or the blocks stay taken. It may answer
+     ``(keep, kv_transfer_params)`` instead: those params (a dict) go back with the request's
+     last output (``RequestOutput.kv_transfer_params``, the server's response), for the
+     router to hand the decode engine.
+
+A request's own ``kv_transfer_params`` (``KVTransferParams.of(request)``; None when it has none)
+say what the router wants: ``do_remote_decode`` on a prefill engine, ``do_remote_prefill`` and
+where the KV is on a decode engine (``tokenmill.kv_transfer.params``).
 
 A finished, aborted or preempted request is in the next step's ``finished_req_ids`` or
 ``preempted_req_ids``: a worker side must stop reading and writing its blocks (unless kept)
@@ -130,9 +137,10 @@ class KVConnectorScheduler(Protocol):
         computed tokens are 0 again)."""
         ...
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
         """``request`` finished (or was aborted); True keeps its blocks until the worker side
-        reports it in ``finished_sending``."""
+        reports it in ``finished_sending``. ``(keep, params)``: the same, and ``params`` (or
+        None) is the ``kv_transfer_params`` of the request's answer."""
         ...
 
 

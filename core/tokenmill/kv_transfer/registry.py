@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.plugins.specs import KVConnectorSpec, resolve_qualname
 
 if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
     from tokenmill.kv_transfer.connector import KVConnectorContext, KVConnectorScheduler, KVConnectorWorker
     from tokenmill.plugins.manager import PluginManager
 
@@ -25,6 +26,13 @@ def connector_spec(plugins: PluginManager, name: str) -> KVConnectorSpec:
         known = ", ".join(sorted(connectors)) or "none installed"
         raise ValueError(f"unknown KV connector {name!r} (known: {known})")
     return spec
+
+
+def check_connector(spec: KVConnectorSpec, config: EngineConfig) -> None:
+    """Refuse a layout the connector cannot move: more than one tensor-parallel rank unless it says it can."""
+    if config.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        raise ValueError(f"KV connector {spec.name!r} runs with one worker rank only (it does not declare "
+                         "tensor_parallel: each rank moving its own KV heads)")
 
 
 def build_scheduler_connector(plugins: PluginManager, context: KVConnectorContext) -> KVConnectorScheduler:

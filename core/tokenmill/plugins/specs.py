@@ -136,11 +136,14 @@ class SpecDecodeSpec:
 class KVConnectorSpec:
     """A KV connector (``tokenmill_register_kv_connectors``): its name in ``kv_transfer_config``,
     and the ``"module:Class"`` of its two halves: one runs next to the scheduler
-    (:class:`KVConnectorScheduler`), one in each worker (:class:`KVConnectorWorker`)."""
+    (:class:`KVConnectorScheduler`), one in each worker (:class:`KVConnectorWorker`).
+    ``tensor_parallel``: its worker half moves its own rank's KV heads (``KVConnectorContext.rank``),
+    so it may run with ``tensor_parallel_size > 1``; without it such an engine refuses to start."""
 
     name: str
     scheduler_qualname: str
     worker_qualname: str
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     pooled: list[float] | None = None  # the embedding of a pooling request
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, for a finished request's answer
 
     @property
     def finished(self) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import InvalidRequestError, InvalidStateTransition
 from tokenmill.kv_cache import KVCacheBlocks, KVCacheManager
@@ -186,11 +186,13 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request) -> dict[str, Any] | None:
+        """Free a finished request's state; the connector's ``kv_transfer_params`` for its answer, if any."""
         req_id = request.request_id
         self._kv_loaded.discard(req_id)
         self._kv_failed.discard(req_id)
-        if self.kv_connector is not None and self.kv_connector.request_finished(request, self.kv.get_block_ids(req_id)):
+        keep, transfer_params = self._connector_finished(request)
+        if keep:
             self._kept_blocks[req_id] = request  # freed once the connector reports it sent
         else:
             self.kv.free(request)
@@ -202,6 +204,17 @@ class Scheduler:
         if slot is not None and self.lora is not None:
             self.lora.slots.release(slot)
         self._finished_ids.add(request.request_id)
+        return transfer_params
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """The connector's ``request_finished``: keep the blocks?, and the params for the answer."""
+        if self.kv_connector is None:
+            return False, None
+        answer = self.kv_connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        if isinstance(answer, tuple):
+            keep, transfer_params = answer
+            return bool(keep), transfer_params
+        return bool(answer), None
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -519,7 +532,7 @@ class Scheduler:
             ))
             if status is not None:
                 self.running.remove(request)
-                self._release(request)
+                outputs[-1].kv_transfer_params = self._release(request)
             elif self.config.num_speculative_tokens:
                 if drafts and sampled:  # the rejected drafts' slots go back to the pool now
                     self.kv.free_excess(request, request.num_tokens)

@@ -23,4 +23,5 @@ def tokenmill_register_kv_connectors() -> list[KVConnectorSpec]:
         name="kv_shared_storage",
         scheduler_qualname="tokenmill_kv_shared_storage.scheduler:SharedStorageScheduler",
         worker_qualname="tokenmill_kv_shared_storage.worker:SharedStorageWorker",
+        tensor_parallel=True,  # each rank writes and reads its own file of a block (its KV heads)
     )]

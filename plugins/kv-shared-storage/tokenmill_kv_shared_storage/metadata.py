@@ -33,5 +33,9 @@ def storage_folder(extra_config: dict[str, Any]) -> Path:
     return folder
 
 
-def block_file(folder: Path, block_hash_hex: str) -> Path:
-    return folder / f"{block_hash_hex}{SUFFIX}"
+def block_file(folder: Path, block_hash_hex: str, rank: int = 0, num_ranks: int = 1) -> Path:
+    """One rank's file of a block: ``HASH.kvb``, or under tensor parallelism ``HASH.tpN.rR.kvb``
+    (each rank holds its own KV heads; engines of another tensor-parallel size find none)."""
+    if num_ranks == 1:
+        return folder / f"{block_hash_hex}{SUFFIX}"
+    return folder / f"{block_hash_hex}.tp{num_ranks}.r{rank}{SUFFIX}"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from tokenmill.plugin_api import KVConnectorContext, Request, ScheduledKVRequest
+from tokenmill.plugin_api import KVConnectorContext, KVTransferParams, Request, ScheduledKVRequest
 from tokenmill_kv_shared_storage.metadata import BlockRef, SharedStorageMetadata, block_file, storage_folder
 
 
@@ -13,18 +14,20 @@ class SharedStorageScheduler:
         self.config = context.transfer_config
         self.block_size = context.block_size
         self.folder = storage_folder(self.config.kv_connector_extra_config)
+        self.num_ranks = context.engine_config.tensor_parallel_size  # each rank writes its own file of a block
         self._loads: dict[str, list[BlockRef]] = {}  # allocated since the last step, to load
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """The run of blocks after the local hit whose files exist (their content is checked
-        when the worker reads them), leaving the last prompt token to compute."""
+        """The run of blocks after the local hit whose files exist, every rank's (their content
+        is checked when the workers read them), leaving the last prompt token to compute."""
         if not self.config.is_consumer:
             return 0
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size
         found = 0
         for block_hash in request.block_hashes[first:last]:
-            if not block_file(self.folder, block_hash.hex()).is_file():
+            if not all(block_file(self.folder, block_hash.hex(), rank, self.num_ranks).is_file()
+                       for rank in range(self.num_ranks)):
                 break
             found += 1
         return found * self.block_size
@@ -49,6 +52,13 @@ class SharedStorageScheduler:
                   len(entry.request.block_hashes), len(entry.block_ids))
         return [(entry.block_ids[i], entry.request.block_hashes[i].hex()) for i in range(first, end)]
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Every save is written within its step: nothing to keep. A request that asked
+        ``do_remote_decode`` is told its blocks are in the folder (a consumer finds them by their
+        hashes, so the params name no producer); a consumer loads what the folder holds whatever
+        its params say (the folder is a tier, not a peer that could be gone)."""
         self._loads.pop(request.request_id, None)
-        return False  # every save is written within its step: nothing to keep
+        params = KVTransferParams.of(request)
+        if params is None or not params.do_remote_decode or not self.config.is_producer:
+            return False, None
+        return False, {"do_remote_prefill": True, "do_remote_decode": False}

@@ -20,6 +20,7 @@ _READ_THREADS = 2  # file reads and checksums release the GIL: they run beside t
 class SharedStorageWorker:
     def __init__(self, context: KVConnectorContext) -> None:
         self.folder = storage_folder(context.transfer_config.kv_connector_extra_config)
+        self.rank, self.num_ranks = context.rank, context.engine_config.tensor_parallel_size
         self.kv_caches: list[KVCache] = []
         self._metadata = SharedStorageMetadata()
         self._output = KVConnectorOutput()
@@ -49,7 +50,7 @@ class SharedStorageWorker:
         """Every block's checked payload, or None (the request fails) at the first bad file."""
         payloads = []
         for _block_id, block_hash in blocks:
-            path = block_file(self.folder, block_hash)
+            path = block_file(self.folder, block_hash, self.rank, self.num_ranks)
             try:
                 payloads.append(read_block(path, self.kv_caches))
             except BadBlockFile as exc:
@@ -81,7 +82,7 @@ class SharedStorageWorker:
 
     def wait_for_save(self) -> None:
         for block_id, block_hash in self._metadata.saves:
-            path = block_file(self.folder, block_hash)
+            path = block_file(self.folder, block_hash, self.rank, self.num_ranks)
             if path.exists():  # the same prefix, written before (by this engine or another)
                 continue
             self.bytes_saved += write_block(path, self.kv_caches, block_id)

@@ -1,11 +1,17 @@
 """The ``kv_zmq`` KV connector: prompt KV pulled from a producer engine over ZeroMQ.
 
 ``kv_transfer_config={"kv_connector": "kv_zmq", "kv_role": ..., "kv_connector_extra_config":
-{...}}`` with, for a producer, ``"bind": "tcp://HOST:PORT"`` (where it serves) and, for a
-consumer, ``"peers": ["tcp://HOST:PORT", ...]`` (the producers it asks). Options:
+{...}}`` with, for a producer, ``"bind": "tcp://HOST:PORT"`` (where it serves; ``"advertise_host"``
+if consumers reach it by another name than the bind's) and, for a consumer, optionally
+``"peers": ["tcp://HOST:PORT", ...]`` (the producers it asks for a request whose
+``kv_transfer_params`` name none: a producer answers a ``do_remote_decode`` request with its
+address, and the router hands that to the consumer). Options:
 ``"lease_s"`` (default 30: how long a producer keeps a finished prompt's blocks for a consumer
 that has not fetched them) and ``"fetch_timeout_s"`` (default 5: how long a consumer waits for a
 complete, checked answer before computing the prompt itself).
+
+Under tensor parallelism rank ``r`` serves and fetches its own KV heads on the ``bind`` (and
+peer) port plus ``r``: a producer takes as many consecutive ports as it has ranks.
 
 A producer keeps the blocks of each prompt it finishes and offers them under their prefix-cache
 hashes; a consumer asks its peers for the hashes of a prompt's prefix, and the one that holds
@@ -28,4 +34,5 @@ def tokenmill_register_kv_connectors() -> list[KVConnectorSpec]:
         name="kv_zmq",
         scheduler_qualname="tokenmill_kv_zmq.scheduler:ZmqScheduler",
         worker_qualname="tokenmill_kv_zmq.worker:ZmqWorker",
+        tensor_parallel=True,  # rank r serves and fetches its own KV heads on the base port + r
     )]

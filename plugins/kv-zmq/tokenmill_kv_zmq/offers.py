@@ -55,8 +55,9 @@ class OfferBook:
             sent, self._sent = self._sent, set()
             return sent
 
-    def begin_fetch(self, hashes: list[str]) -> tuple[str, list[int]] | None:
-        """A request holding every one of ``hashes`` and its block ids, marked in service; None if none does."""
+    def begin_fetch(self, hashes: list[str], preferred: str | None = None) -> tuple[str, list[int]] | None:
+        """A request holding every one of ``hashes`` (``preferred`` if it does) and its block ids,
+        marked in service; None if none does."""
         with self._lock:
             candidates: set[str] | None = None
             for block_hash in hashes:
@@ -66,7 +67,7 @@ class OfferBook:
                     return None
             if not candidates:
                 return None
-            req_id = min(candidates)
+            req_id = preferred if preferred in candidates else min(candidates)
             self._in_service[req_id] += 1
             return req_id, [self._owners[h][req_id] for h in hashes]
 

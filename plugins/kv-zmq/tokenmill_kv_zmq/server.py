@@ -44,13 +44,15 @@ class KVServer(threading.Thread):
         identity, *message = parts
         try:
             kind, body = message
-            hashes = list(json.loads(body)["hashes"]) if kind == FETCH else None
-        except (ValueError, KeyError, TypeError):
-            hashes = None
+            fetch = json.loads(body) if kind == FETCH else {}
+            hashes = [str(h) for h in fetch["hashes"]] if kind == FETCH else None
+            preferred = fetch.get("request_id")  # the request the consumer's kv_transfer_params name
+        except (ValueError, KeyError, TypeError, AttributeError):
+            hashes, preferred = None, None
         if not hashes:
             self._socket.send_multipart([identity, MISSING, b"{}"])
             return
-        found = self.offers.begin_fetch(hashes)
+        found = self.offers.begin_fetch(hashes, preferred if isinstance(preferred, str) else None)
         if found is None:
             self._socket.send_multipart([identity, MISSING, b"{}"])
             return

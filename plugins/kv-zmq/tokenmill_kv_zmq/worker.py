@@ -13,7 +13,7 @@ import zmq
 from tokenmill.plugin_api import AttentionMetadata, KVCache, KVConnectorContext, KVConnectorOutput
 from tokenmill_kv_zmq.fetch import FetchFailed, fetch_blocks
 from tokenmill_kv_zmq.offers import OfferBook
-from tokenmill_kv_zmq.options import BlockRef, ZmqMetadata, ZmqOptions
+from tokenmill_kv_zmq.options import BlockRef, FetchSource, ZmqMetadata, ZmqOptions, rank_endpoint
 from tokenmill_kv_zmq.server import KVServer
 from tokenmill_kv_zmq.wire import scatter
 
@@ -33,6 +33,7 @@ class ZmqWorker:
     def __init__(self, context: KVConnectorContext) -> None:
         self.config = context.transfer_config
         self.options = ZmqOptions.parse(self.config.kv_connector_extra_config)
+        self.rank = context.rank  # under tensor parallelism: its own heads, on the base ports plus its rank
         self.kv_caches: list[KVCache] = []
         self._zmq = zmq.Context()
         self._metadata = ZmqMetadata()
@@ -49,7 +50,7 @@ class ZmqWorker:
         self.kv_caches = kv_caches
         if self.config.is_producer and self._server is None:
             assert self.options.bind is not None
-            self._server = KVServer(self._zmq, self.options.bind, self.offers, kv_caches)
+            self._server = KVServer(self._zmq, rank_endpoint(self.options.bind, self.rank), self.offers, kv_caches)
             self._server.start()
 
     def bind_connector_metadata(self, metadata: Any) -> None:
@@ -68,8 +69,11 @@ class ZmqWorker:
     def start_load_kv(self) -> None:
         for req_id, blocks in self._metadata.loads.items():
             cancelled = threading.Event()
-            future = self._pool.submit(fetch_blocks, self._zmq, self.options.peers, [h for _, h in blocks],
-                                       self.kv_caches, self.options.fetch_timeout_s, cancelled)
+            source = self._metadata.sources.get(req_id) or FetchSource(tuple(self.options.peers))
+            peers = [rank_endpoint(peer, self.rank) for peer in source.peers]
+            future = self._pool.submit(fetch_blocks, self._zmq, peers, [h for _, h in blocks],
+                                       self.kv_caches, self.options.fetch_timeout_s, cancelled,
+                                       source.remote_request_id)
             self._fetches[req_id] = _Fetch(blocks, future, cancelled)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
