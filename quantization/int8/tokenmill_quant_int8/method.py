@@ -39,7 +39,7 @@ class Int8W8A8LinearMethod:
                        params_dtype: torch.dtype) -> None:
         shards = layer.output_loader
         layer.add_parameter("weight", torch.empty(sum(output_partition_sizes), input_size, dtype=torch.int8),
-                            output_dim=0, weight_loader=functools.partial(_load_int8_weight, shards))
+                            output_dim=0, input_dim=1, weight_loader=functools.partial(_load_int8_weight, shards))
         self.create_scales(layer, output_partition_sizes)
         if self.activations.static:
             names = STATIC_INPUTS if not self.activations.symmetric else STATIC_INPUTS[:1]
@@ -106,8 +106,11 @@ def _load_int8_weight(shards: OutputShardLoader, param: nn.Parameter, loaded: to
 
 def _load_weight_scale(shards: OutputShardLoader, param: nn.Parameter, loaded: torch.Tensor,
                        shard_id: int | None = None) -> None:
-    """One scale per output row (``[rows]`` or ``[rows, 1]``), or one for the tensor."""
+    """One scale per output row (``[rows]`` or ``[rows, 1]``), or one for the tensor; ``rows``
+    counts the checkpoint's (all ranks'), the loader then takes this rank's."""
     rows = shards.shard_slice(shard_id)[1] if shard_id is not None else sum(shards.partition_sizes)
+    if shards.shard_parts:  # column-parallel: this rank holds one part of the shard's rows
+        rows *= shards.shard_parts[shard_id or 0]
     if loaded.numel() == 1:
         loaded = loaded.reshape(1).expand(rows)
     elif not (loaded.numel() == rows and (loaded.dim() == 1 or loaded.shape[1:] == (1,))):
