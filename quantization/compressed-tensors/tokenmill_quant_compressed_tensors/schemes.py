@@ -2,8 +2,9 @@
 
 * int weights and int input activations: INT8 W8A8 (``format: "int-quantized"``),
   handed to the installed ``int8`` method: its config is built from this group
-  (it checks the fields itself: 8-bit symmetric per-channel weights, dynamic
-  symmetric per-token activations) and gives each layer its method;
+  (it checks the fields itself: 8-bit symmetric per-channel weights; activations
+  dynamic per token or static per tensor with an ``input_scale``, symmetric or with
+  zero points) and gives each layer its method;
 * float weights and float activations: FP8 (``"float-quantized"``, float8_e4m3fn
   weights per tensor or per channel; activations dynamic per token, or static per
   tensor with an ``input_scale``), handed to the installed ``fp8`` method, whose

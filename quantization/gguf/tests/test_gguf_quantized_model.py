@@ -53,7 +53,8 @@ def dequantised_reference(path: Path, folder: Path) -> Path:
 
 
 def linear_forms(llm: LLM) -> dict[str, str]:
-    """Each linear layer's and the embedding's prefix -> ``qweight <type>``, ``weight <dtype>`` or ``tied``."""
+    """Each linear layer's and the embedding's prefix -> ``qweight <type>`` (``qweight <type>+<type>`` for
+    a merged layer whose shards keep blocks of different types), ``weight <dtype>`` or ``tied``."""
 
     def look(worker: object) -> dict[str, str]:
         model = worker.runner.model  # type: ignore[attr-defined]
@@ -63,8 +64,9 @@ def linear_forms(llm: LLM) -> dict[str, str]:
             if method is None:
                 continue
             qtype, weight = getattr(method, "qtype", None), getattr(module, "weight", None)
-            if qtype is not None:
-                forms[module.prefix] = f"qweight {qtype.name}"
+            qtypes = getattr(method, "qtypes", None) or ((qtype,) if qtype is not None else ())
+            if qtypes:
+                forms[module.prefix] = "qweight " + "+".join(t.name for t in qtypes)
             else:  # a float layer, or a head tied to the embedding (no weight of its own)
                 forms[module.prefix] = f"weight {weight.dtype}" if weight is not None else "tied"
         return forms
@@ -98,12 +100,12 @@ def test_quantized_tiny_llama_generates_like_transformers_on_its_dequantised_wei
     assert agreement.max_logprob_error < 1e-3, agreement
 
 
-def test_layers_keep_their_blocks_unless_their_shards_differ(tmp_path: Path):
+def test_layers_keep_their_blocks_even_where_their_shards_differ(tmp_path: Path):
     path = tmp_path / "tiny-mixed.gguf"
     write_llama_cpp_gguf(tiny_model("llama", tied=False), path, "llama", MIXES["mixed"])
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="8MiB")
     forms = linear_forms(llm)
-    assert forms["model.layers.0.self_attn.qkv_proj"] == "weight torch.float32"  # Q4_0 q/k, Q8_0 v
+    assert forms["model.layers.0.self_attn.qkv_proj"] == "qweight Q4_0+Q8_0"  # q/k one Q4_0 part, v a Q8_0 one
     assert forms["model.layers.0.self_attn.o_proj"] == "qweight Q4_0"
     assert forms["model.layers.1.mlp.gate_up_proj"] == "qweight Q4_0"
     assert forms["lm_head"] == "qweight Q4_0"

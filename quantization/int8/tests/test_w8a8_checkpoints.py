@@ -106,7 +106,8 @@ def test_a_float_weight_where_int8_is_declared_is_refused_at_load(w8a8_pair, tmp
 
 @pytest.mark.parametrize(("path", "value", "message"), [
     (("format",), "pack-quantized", "format 'pack-quantized'"),
-    (("config_groups", "group_0", "input_activations", "symmetric"), False, "input_activations.symmetric is False"),
+    (("config_groups", "group_0", "weights", "symmetric"), False, "weights.symmetric is False"),
+    (("config_groups", "group_0", "input_activations", "num_bits"), 4, "input_activations.num_bits is 4"),
     (("config_groups", "group_0", "weights", "num_bits"), 4, "weights.num_bits is 4"),
     (("config_groups", "group_0", "input_activations"), None, "no input_activations"),
 ])

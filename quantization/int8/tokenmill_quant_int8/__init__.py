@@ -1,8 +1,9 @@
 """Registers the ``int8`` (W8A8) quantization method (no torch at import time).
 
 It runs compressed-tensors' ``int-quantized`` checkpoints (one config group of
-8-bit symmetric int weights per output channel and dynamic per-token int8
-activations, as llm-compressor's W8A8 recipes write them): ``quant_method:
+8-bit symmetric int weights per output channel and int8 activations, symmetric or
+asymmetric, dynamic per token or static per tensor, as llm-compressor's W8A8 recipes
+write them): ``quant_method:
 "compressed-tensors"`` is read by the ``compressed-tensors`` plugin, which hands
 such a group's layers to this method; ``quant_method: "int8_w8a8"`` comes here
 directly. Each quantized linear layer holds an int8 ``weight`` and a
