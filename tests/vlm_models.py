@@ -68,3 +68,94 @@ def hf_llava_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_
                                  pad_token_id=COMMON["pad_token_id"])
             results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     return results
+
+
+# -- Qwen2-VL ------------------------------------------------------------------
+QWEN2_VL_PATCH, QWEN2_VL_MERGE = 4, 2  # tiny patches: an image of 32x40 pixels is 8x10 patches, 20 tokens
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL (2 vision blocks 32 wide, the tiny Qwen2 language model with
+    M-RoPE sections [2, 3, 3]) and its image processor, saved as a real folder is."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2_VL_TOKENS)})
+    tokenizer.save_pretrained(folder)
+    start, end, image, video = (tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS)
+    text = {**COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=2, embed_dim=32, num_heads=4, hidden_size=COMMON["hidden_size"], mlp_ratio=2,
+                  patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image,
+                                        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is robust
+        model.lm_head.weight.normal_(0, 0.5)
+        model.model.visual.merger.mlp[2].weight.normal_(0, 0.5)  # images that visibly steer the output
+    model.save_pretrained(folder, safe_serialization=True)
+    factor = QWEN2_VL_PATCH * QWEN2_VL_MERGE
+    qwen2_vl_image_processor(min_pixels=factor * factor, max_pixels=48 * 48).save_pretrained(folder)
+    return folder
+
+
+def qwen2_vl_image_processor(**kwargs: Any) -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=QWEN2_VL_PATCH, merge_size=QWEN2_VL_MERGE, temporal_patch_size=2,
+                                    **kwargs)
+
+
+def hf_qwen2_vl_processor(folder: Path) -> Any:
+    """transformers' Qwen2VLProcessor for images (its text expansion and token types); built
+    without a video processor, which needs torchvision."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+    class ImagesOnly(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None  # the absent video processor is not checked
+
+    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(folder, backend="pil"),
+                      tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None)
+
+
+def hf_qwen2_vl_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_tokens: int,
+                       videos: dict[int, Any] | None = None) -> list[list[int]]:
+    """Greedy tokens of transformers' Qwen2-VL for each ``(text, images)``, one prompt at a time.
+    ``videos``: prompt index -> ``(pixel_values_videos, video_grid_thw)`` for its one video,
+    whose pad token the processor leaves alone and this expands."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    processor = hf_qwen2_vl_processor(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    results = []
+    with torch.no_grad():
+        for index, (text, images) in enumerate(prompts):
+            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
+            if videos and index in videos:
+                inputs = _with_video(inputs, model.config, *videos[index])
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=COMMON["pad_token_id"])
+            results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return results
+
+
+def _with_video(inputs: dict[str, Any], config: Any, pixels: Any, grid: Any) -> dict[str, Any]:
+    """The video's pad token expanded to its grid's tokens (as Qwen2VLProcessor.replace_video_token),
+    its tokens typed 2, and its tensors added."""
+    import torch
+
+    ids = inputs["input_ids"][0].tolist()
+    at = ids.index(config.video_token_id)
+    count = int(grid.prod()) // QWEN2_VL_MERGE ** 2
+    ids = ids[:at] + [config.video_token_id] * count + ids[at + 1:]
+    types = [1 if t == config.image_token_id else 2 if t == config.video_token_id else 0 for t in ids]
+    return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")},
+            "input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+            "mm_token_type_ids": torch.tensor([types]), "pixel_values_videos": pixels, "video_grid_thw": grid}
