@@ -5,7 +5,17 @@ positions through chunked prefill and decoding, the encoder cache, and a video."
 from __future__ import annotations
 
 import pytest
-from vlm_models import QWEN2_VL_IMAGE, build_qwen2_vl, hf_qwen2_vl_greedy, random_image
+from vlm_models import (
+    QWEN2_VL_IMAGE,
+    QWEN2_VL_VIDEO,
+    build_qwen2_vl,
+    decoded_frames,
+    hf_qwen2_vl_greedy,
+    hf_video_tensors,
+    random_frames,
+    random_image,
+    write_video,
+)
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError
@@ -82,3 +92,23 @@ def test_too_many_images_are_refused(llm, images):
         llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
     with pytest.raises(InvalidRequestError, match="placeholder"):
         llm.generate({"prompt": QWEN2_VL_IMAGE, "multi_modal_data": {"image": images[:2]}}, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def video_file(tmp_path_factory):
+    """Two seconds at 4 frames a second: sampled at the processor's 2 a second, 4 frames (2 temporal patches)."""
+    return write_video(tmp_path_factory.mktemp("video") / "clip.mp4", random_frames(5, 8, 16, 24), fps=4)
+
+
+def test_video_file_and_frames_match_transformers(qwen2_vl_path, llm, images, video_file):
+    """A decoded, sampled mp4 beside an image (M-RoPE's temporal section), and frames given
+    directly (three: the last repeated to fill a temporal patch)."""
+    frames = random_frames(6, 3, 16, 16)
+    cases = [(f"Describe {QWEN2_VL_VIDEO} and {QWEN2_VL_IMAGE} now", [images[2]]), (f"The {QWEN2_VL_VIDEO} fox", [])]
+    reference = {0: hf_video_tensors(decoded_frames(video_file, fps=2.0)), 1: hf_video_tensors(frames)}
+    expected = hf_qwen2_vl_greedy(qwen2_vl_path, cases, MAX_TOKENS, videos=reference)
+    prompts = [{"prompt": cases[0][0], "multi_modal_data": {"image": cases[0][1], "video": str(video_file)}},
+               {"prompt": cases[1][0], "multi_modal_data": {"video": list(frames)}}]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    without_video = hf_qwen2_vl_greedy(qwen2_vl_path, [(cases[1][0].replace(QWEN2_VL_VIDEO, ""), [])], MAX_TOKENS)
+    assert expected[1] != without_video[0]  # the video steers the output

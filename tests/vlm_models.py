@@ -119,8 +119,10 @@ def hf_qwen2_vl_processor(folder: Path) -> Any:
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return None  # the absent video processor is not checked
 
-    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(folder, backend="pil"),
-                      tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None)
+    processor = ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(folder, backend="pil"),
+                           tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None)
+    processor.video_token = None  # a video's pad token stays one token (hf_qwen2_vl_greedy expands it)
+    return processor
 
 
 def hf_qwen2_vl_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_tokens: int,
@@ -159,3 +161,62 @@ def _with_video(inputs: dict[str, Any], config: Any, pixels: Any, grid: Any) -> 
     return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")},
             "input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
             "mm_token_type_ids": torch.tensor([types]), "pixel_values_videos": pixels, "video_grid_thw": grid}
+
+
+def write_video(path: Path, frames: Any, fps: int) -> Path:
+    """``frames`` ``[T, H, W, 3]`` uint8 as an H.264 mp4 at ``fps`` frames a second, with PyAV."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def random_frames(seed: int, count: int, height: int, width: int) -> Any:
+    """Frames of a moving pattern (some change from frame to frame, as in a real video)."""
+    import numpy as np
+
+    base = np.random.default_rng(seed).integers(0, 256, (height, width + count, 3), dtype=np.uint8)
+    return np.stack([base[:, i:i + width] for i in range(count)])
+
+
+def hf_video_tensors(frames: Any) -> tuple[Any, Any]:
+    """``(pixel_values_videos, video_grid_thw)`` as transformers' Qwen2VLVideoProcessor makes
+    them from frames whose size needs no resize: rescaled and normalised with CLIP's mean and
+    std, the last frame repeated to a whole temporal patch, and patched in its layout
+    (video_processing_qwen2_vl.Qwen2VLVideoProcessor.patchify)."""
+    import numpy as np
+    import torch
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    video = torch.from_numpy((frames / 255.0 - np.array(OPENAI_CLIP_MEAN)) / np.array(OPENAI_CLIP_STD)).float()
+    video = video.permute(0, 3, 1, 2)[None]  # [1, T, C, H, W]
+    if pad := -video.shape[1] % 2:
+        video = torch.cat([video, video[:, -1:].expand(-1, pad, -1, -1, -1)], dim=1)
+    _, frames_count, channels, height, width = video.shape
+    t, h, w, m, p = frames_count // 2, height // QWEN2_VL_PATCH, width // QWEN2_VL_PATCH, QWEN2_VL_MERGE, QWEN2_VL_PATCH
+    patches = video.view(1, t, 2, channels, h // m, m, p, w // m, m, p).permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return patches.reshape(t * h * w, channels * 2 * p * p), torch.tensor([[t, h, w]])
+
+
+def decoded_frames(path: Path, fps: float) -> Any:
+    """The frames of the file at ``path`` (PyAV), sampled as transformers' Qwen2-VL video
+    processor samples at ``fps`` (at least 4 frames, an even count)."""
+    import math
+
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+        rate = float(stream.average_rate)
+    total = len(frames)
+    count = min(max(total / rate * fps, 4), math.floor(total / 2) * 2, total)
+    count = math.floor(count / 2) * 2
+    return frames[np.arange(0, total, total / count).astype(np.int32)]
