@@ -112,3 +112,16 @@ def test_video_file_and_frames_match_transformers(qwen2_vl_path, llm, images, vi
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     without_video = hf_qwen2_vl_greedy(qwen2_vl_path, [(cases[1][0].replace(QWEN2_VL_VIDEO, ""), [])], MAX_TOKENS)
     assert expected[1] != without_video[0]  # the video steers the output
+
+
+def test_qwen2_5_vl_window_attention_and_video_time_match_transformers(tmp_path, prompts, video_file):
+    """Qwen2.5-VL: window attention (windows cut at an image's edges), its video's temporal
+    positions spaced by time, and chunked prefill through both, in one batch."""
+    path = build_qwen2_vl(tmp_path, version="2.5")
+    cases = [*prompts, (f"Describe {QWEN2_VL_VIDEO} now", [])]
+    expected = hf_qwen2_vl_greedy(path, cases, MAX_TOKENS, videos={4: hf_video_tensors(decoded_frames(video_file, 2.0))})
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7, max_num_seqs=3)
+    requests = [_mm_prompt(t, i) for t, i in prompts]
+    requests.append({"prompt": cases[4][0], "multi_modal_data": {"video": str(video_file)}})
+    assert [o.outputs[0].token_ids for o in llm.generate(requests, GREEDY)] == expected
+    assert expected[0] != expected[1]

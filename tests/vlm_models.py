@@ -77,9 +77,11 @@ QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2-VL (2 vision blocks 32 wide, the tiny Qwen2 language model with
-    M-RoPE sections [2, 3, 3]) and its image processor, saved as a real folder is."""
+def build_qwen2_vl(folder: Path, seed: int = 0, version: str = "2") -> Path:
+    """A tiny random Qwen2-VL (``version`` "2.5": Qwen2.5-VL, with window attention over
+    windows of 2x2 merged tokens in its first block) of 2 vision blocks 32 wide and the tiny
+    Qwen2 language model with M-RoPE sections [2, 3, 3], and its image processor, saved as a
+    real folder is."""
     import torch
     import transformers
 
@@ -88,12 +90,19 @@ def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(folder)
     start, end, image, video = (tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS)
     text = {**COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
-    vision = dict(depth=2, embed_dim=32, num_heads=4, hidden_size=COMMON["hidden_size"], mlp_ratio=2,
-                  patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2)
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image,
-                                        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    shared = dict(depth=2, num_heads=4, patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE,
+                  temporal_patch_size=2)
+    if version == "2.5":
+        vision = dict(shared, hidden_size=32, out_hidden_size=COMMON["hidden_size"], intermediate_size=48,
+                      window_size=2 * QWEN2_VL_PATCH * QWEN2_VL_MERGE, fullatt_block_indexes=[1], tokens_per_second=2)
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(shared, embed_dim=32, hidden_size=COMMON["hidden_size"], mlp_ratio=2)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+                          vision_start_token_id=start, vision_end_token_id=end)
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is robust
         model.lm_head.weight.normal_(0, 0.5)
         model.model.visual.merger.mlp[2].weight.normal_(0, 0.5)  # images that visibly steer the output
@@ -113,9 +122,11 @@ def qwen2_vl_image_processor(**kwargs: Any) -> Any:
 def hf_qwen2_vl_processor(folder: Path) -> Any:
     """transformers' Qwen2VLProcessor for images (its text expansion and token types); built
     without a video processor, which needs torchvision."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor
 
-    class ImagesOnly(Qwen2VLProcessor):
+    qwen2_5 = AutoConfig.from_pretrained(folder).model_type == "qwen2_5_vl"
+
+    class ImagesOnly(Qwen2_5_VLProcessor if qwen2_5 else Qwen2VLProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return None  # the absent video processor is not checked
 
@@ -150,7 +161,8 @@ def hf_qwen2_vl_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_n
 
 def _with_video(inputs: dict[str, Any], config: Any, pixels: Any, grid: Any) -> dict[str, Any]:
     """The video's pad token expanded to its grid's tokens (as Qwen2VLProcessor.replace_video_token),
-    its tokens typed 2, and its tensors added."""
+    its tokens typed 2, and its tensors added (for Qwen2.5-VL, one second per temporal patch:
+    2 frames sampled at the processor's 2 a second)."""
     import torch
 
     ids = inputs["input_ids"][0].tolist()
@@ -160,7 +172,8 @@ def _with_video(inputs: dict[str, Any], config: Any, pixels: Any, grid: Any) -> 
     types = [1 if t == config.image_token_id else 2 if t == config.video_token_id else 0 for t in ids]
     return {**{k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")},
             "input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-            "mm_token_type_ids": torch.tensor([types]), "pixel_values_videos": pixels, "video_grid_thw": grid}
+            "mm_token_type_ids": torch.tensor([types]), "pixel_values_videos": pixels, "video_grid_thw": grid,
+            **({"second_per_grid_ts": torch.tensor([1.0])} if config.model_type == "qwen2_5_vl" else {})}
 
 
 def write_video(path: Path, frames: Any, fps: int) -> Path:

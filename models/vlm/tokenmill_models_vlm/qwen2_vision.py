@@ -103,11 +103,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, dim: int) -> None:
         super().__init__()
-        self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel_size=self.shape[1:], stride=self.shape[1:],
-                              bias=False)
+        self.shape = (in_channels, temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = pixels.to(self.proj.weight.dtype).view(-1, *self.shape)
@@ -129,7 +128,8 @@ class Qwen2VisionTransformer(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size
-        self.patch_embed = PatchEmbed(config)
+        self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
+                                      config.embed_dim)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.rotary = VisionRotary(config.embed_dim // config.num_heads, theta)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))

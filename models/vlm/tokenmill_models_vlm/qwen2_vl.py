@@ -21,6 +21,7 @@ from torch import nn
 from tokenmill.layers import ModelBuildContext, MRopeItem, load_weight, mrope_prompt_positions
 from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_vlm.language_model import build_language_model
+from tokenmill_models_vlm.qwen2_5_vision import Qwen2_5VisionTransformer
 from tokenmill_models_vlm.qwen2_vision import Qwen2VisionTransformer
 
 # transformers 5 names first, then the original checkpoints' (visual.*, model.*, lm_head)
@@ -40,11 +41,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.merge = config.vision_config.spatial_merge_size
-        self.visual = Qwen2VisionTransformer(config.vision_config)
+        self.visual = self.build_vision(config.vision_config)
         text_config = copy.copy(config.text_config)
         text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.language_model: Any = build_language_model(text_config, ctx.child("language_model"),
                                                         architecture=self.text_architecture)
+
+    @staticmethod
+    def build_vision(vision_config: Any) -> nn.Module:
+        return Qwen2VisionTransformer(vision_config)
 
     # -- the multimodal model interface (tokenmill.worker.model_interface.MultiModalCausalLM) --
     def embed_multimodal(self, items: list[Any]) -> list[torch.Tensor]:
@@ -113,3 +118,19 @@ def _canonical(name: str) -> str:
         if name.startswith(old):
             return new + name.removeprefix(old)
     return name
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same language model and M-RoPE; a vision transformer with window
+    attention (:mod:`.qwen2_5_vision`); a video's temporal positions spaced by its time
+    (``tokens_per_second`` positions a second, ``second_per_grid_ts`` seconds a temporal patch)."""
+
+    @staticmethod
+    def build_vision(vision_config: Any) -> nn.Module:
+        return Qwen2_5VisionTransformer(vision_config)
+
+    def _time_interval(self, item: Any) -> float:
+        if item.modality != "video":
+            return 1.0
+        seconds = float(item.data["second_per_grid_ts"].reshape(-1)[0])
+        return seconds * float(self.config.vision_config.tokens_per_second)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.plugin_api import InvalidRequestError, MultiModalItem, content_hash
-from tokenmill_models_vlm.video import SAMPLING_OPTIONS, load_video, video_patches
+from tokenmill_models_vlm.video import SAMPLING_DEFAULTS, SAMPLING_OPTIONS, load_video, video_patches
 
 MODALITIES = ("image", "video")
 _PARAM = "multi_modal_data"
@@ -92,7 +92,11 @@ class Qwen2VLInputProcessor:
                                          {k: v for k, v in options.items() if k not in SAMPLING_OPTIONS})
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(f"the model's image processor rejected the video: {exc}", param=_PARAM) from exc
-        return {"pixel_values_videos": pixels, "video_grid_thw": grid}
+        # Qwen2.5-VL spaces a video's temporal positions by its time: seconds per temporal patch at
+        # the sampling rate (the processor's fps, 2 unless mm_processor_kwargs say otherwise)
+        fps = float(sampling.get("fps", SAMPLING_DEFAULTS["fps"]))
+        seconds = torch.tensor([int(self.image_processor.temporal_patch_size) / fps])
+        return {"pixel_values_videos": pixels, "video_grid_thw": grid, "second_per_grid_ts": seconds}
 
     def _expand(self, token_ids: list[int], data: Mapping[str, list[dict[str, torch.Tensor]]],
                 options: Mapping[str, Any]) -> tuple[list[int], list[MultiModalItem]]:
