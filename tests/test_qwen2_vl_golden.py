@@ -75,8 +75,10 @@ def test_batch_of_images_at_their_own_sizes_matches_transformers(llm, prompts, e
 
 def test_chunked_prefill_through_images_matches_transformers(qwen2_vl_path, prompts, expected):
     """A step budget of 7 tokens cuts every image (and its M-RoPE positions) into pieces."""
-    llm = LLM(str(qwen2_vl_path), dtype="float32", max_num_batched_tokens=7, max_num_seqs=2)
+    llm = LLM(str(qwen2_vl_path), dtype="float32", max_num_batched_tokens=7, max_num_seqs=2, block_size=4)
     assert _generate(llm, prompts) == expected
+    again = llm.generate([_mm_prompt(*prompts[2])], GREEDY)[0]  # the prefix cache holds its image blocks
+    assert again.num_cached_tokens > 20 and again.outputs[0].token_ids == expected[2]
 
 
 def test_encoder_cache_reuses_an_image(llm, prompts, expected):
@@ -86,12 +88,15 @@ def test_encoder_cache_reuses_an_image(llm, prompts, expected):
     assert cache.encoded - before[0] <= 1 and cache.hits > before[1]
 
 
-def test_too_many_images_are_refused(llm, images):
+def test_too_many_items_or_placeholders_are_refused(llm, images):
     text = " ".join([QWEN2_VL_IMAGE] * 3)
     with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
     with pytest.raises(InvalidRequestError, match="placeholder"):
         llm.generate({"prompt": QWEN2_VL_IMAGE, "multi_modal_data": {"image": images[:2]}}, GREEDY)
+    frames = [random_frames(1, 2, 16, 16)] * 2
+    with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt"):
+        llm.generate({"prompt": QWEN2_VL_VIDEO * 2, "multi_modal_data": {"video": frames}}, GREEDY)
 
 
 @pytest.fixture(scope="module")
