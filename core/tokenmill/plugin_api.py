@@ -57,6 +57,7 @@ if TYPE_CHECKING:
         ScheduledKVRequest,
     )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
+    from tokenmill.multimodal.inputs import MultiModalItem, content_hash
     from tokenmill.platform import (
         ActivationProfiling,
         CommunicationBackend,
@@ -128,6 +129,7 @@ _LAZY = {
     **dict.fromkeys(["KVConnectorContext", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
                      "KVTransferConfig", "KVTransferParams", "ScheduledKVRequest"], "tokenmill.kv_transfer"),
     "Request": "tokenmill.request",
+    **dict.fromkeys(["MultiModalItem", "content_hash"], "tokenmill.multimodal.inputs"),
     **dict.fromkeys(["dequantize_kv", "gather_blocks", "is_fp8", "kv_cache_torch_dtype", "quantize_kv", "write_kv"],
                     "tokenmill.kv_cache.fp8"),
 }
@@ -195,6 +197,9 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "SchedulerOutput",
+    # multimodal inputs: a model plugin's own processor (ModelSpec.mm_processor) makes these items
+    "MultiModalItem",
+    "content_hash",
     # structured-output backends
     "GrammarMatcher",
     "StructuredOutputBackend",

@@ -67,8 +67,9 @@ def _schema_expressible(body: Any) -> bool:
         return False  # Messages API: a last assistant turn is continued, and cannot be once it called a tool
     if isinstance(messages, list) and any(
             isinstance(m, dict) and isinstance(m.get("content"), list)
-            and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages):
-        return False  # an image: its bytes, and whether the model takes images, are the server's to judge
+            and any(isinstance(p, dict) and p.get("type") in ("image_url", "video_url") for p in m["content"])
+            for m in messages):
+        return False  # an image (a video): its bytes, and whether the model takes them, are the server's to judge
     items = body.get("input")
     if isinstance(items, list) and items and all(isinstance(i, dict) and i.get("type") == "reasoning" for i in items):
         return False  # reasoning items alone leave the prompt nothing to answer (they are not replayed to it)

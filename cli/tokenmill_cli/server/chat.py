@@ -13,7 +13,7 @@ from starlette.responses import Response
 from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora import LoRARequest
-from tokenmill.multimodal.chat_media import take_images
+from tokenmill.multimodal.chat_media import media_placeholders, take_media
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
@@ -64,23 +64,22 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
 
 
 def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
-                param: str = "messages") -> tuple[str, list[Any]]:
-    """The rendered prompt text and its images, each image part rendered as the model's
-    placeholder (``tokenmill.multimodal.chat_media``); a bad image is blamed on ``param``."""
+                param: str = "messages") -> tuple[str, dict[str, list[Any]]]:
+    """The rendered prompt text and its items by modality (images, videos' bytes), each part
+    rendered as the model's placeholder (``tokenmill.multimodal.chat_media``); a bad image is blamed on ``param``."""
     add_generation_prompt = rendering.add_generation_prompt
     if rendering.continue_final_message and "add_generation_prompt" not in rendering.model_fields_set:
         add_generation_prompt = False  # continuing the last message: no new turn, unless asked for explicitly
     processor = getattr(getattr(state.engine, "engine", None), "input_processor", None)
-    multimodal = getattr(processor, "multimodal", None)
-    placeholder = multimodal.image_placeholder if multimodal is not None else None
+    placeholders = media_placeholders(getattr(processor, "multimodal", None))
     media_root = getattr(getattr(state.engine, "config", None), "allowed_local_media_path", None)
     try:
-        dicts, images = take_images([m.for_template() for m in messages], placeholder, media_root)
+        dicts, media = take_media([m.for_template() for m in messages], placeholders, media_root)
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc), param=param) from exc
     text = render_chat(state.tokenizer, dicts, rendering.chat_template or state.settings.chat_template,
                        add_generation_prompt, rendering.continue_final_message, rendering.tools)
-    return text, images
+    return text, media
 
 
 def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
@@ -92,14 +91,14 @@ def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering
     Chat completions and the Responses API (``responses_api``) both generate through here;
     ``param`` is the request field a prompt too long for the context is blamed on.
     """
-    text, images = chat_prompt(state, messages, rendering, param)
+    text, media = chat_prompt(state, messages, rendering, param)
     prompt_ids = list(state.tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
     if len(prompt_ids) >= state.engine.max_model_len:
         raise InvalidRequestError(
             f"the {param} take {len(prompt_ids)} tokens, which leaves no room to generate within the model's "
             f"context of {state.engine.max_model_len} tokens (max_model_len)", param=param)
-    prompt: dict[str, Any] = ({"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
-                              if images else {"prompt_token_ids": prompt_ids})
+    prompt: dict[str, Any] = ({"prompt": text, "multi_modal_data": {k: v for k, v in media.items() if v},
+                               "add_special_tokens": False} if any(media.values()) else {"prompt_token_ids": prompt_ids})
     generation = state.engine.generate(prompt, params, request_id=request_id,
                                        priority=priority, timeout=timeout, lora_request=lora_request)
     return merge_streams([naming_errors(generation, constraint)])

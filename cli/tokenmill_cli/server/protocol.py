@@ -176,7 +176,21 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str = Field(description="a video file (mp4, webm, ...) as a data: URL (base64) or a file:// path under "
+                                 "--allowed-local-media-path")
+
+
+class VideoPart(BaseModel):
+    """A video part, for a model that takes videos (Qwen2-VL); decoded and sampled by its processor."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 Content = str | list[ContentPart]
 
 

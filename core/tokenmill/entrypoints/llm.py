@@ -19,7 +19,7 @@ from tokenmill.entrypoints.scoring import (
 )
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import StatLogger
-from tokenmill.multimodal.chat_media import take_images
+from tokenmill.multimodal.chat_media import media_placeholders, take_media
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
 from tokenmill.pooling_outputs import (
@@ -144,15 +144,14 @@ class LLM:
                      continue_final_message: bool, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         """The prompt of one conversation: its token ids, or (with ``image_url`` content parts, for a
         multimodal model) its text with a placeholder where each image was, and the images."""
-        multimodal = self.engine.input_processor.multimodal
-        placeholder = multimodal.image_placeholder if multimodal is not None else None
-        conversation, images = take_images(conversation, placeholder, self.config.allowed_local_media_path)
-        if not images:
+        conversation, media = take_media(conversation, media_placeholders(self.engine.input_processor.multimodal),
+                                         self.config.allowed_local_media_path)
+        if not any(media.values()):
             return {"prompt_token_ids": self._chat_token_ids(conversation, chat_template, add_generation_prompt,
                                                              continue_final_message, tools)}
         text = render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt,
                            continue_final_message, tools)
-        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
+        return {"prompt": text, "multi_modal_data": {k: v for k, v in media.items() if v}, "add_special_tokens": False}
 
     def _chat_token_ids(self, conversation: Sequence[Message], chat_template: str | None,
                         add_generation_prompt: bool, continue_final_message: bool,

@@ -38,6 +38,7 @@ from tokenmill.layers.moe_quantization import (
     quantize_experts,
 )
 from tokenmill.layers.moe_routing import MoERouting, select_experts
+from tokenmill.layers.mrope import MRopeItem, MRotaryEmbedding, mrope_prompt_positions
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.online_quantization import add_float_weight, quantize_loaded_weight
 from tokenmill.layers.ops import LayerOps, NativeLayerOps, layer_ops, register_layer_ops
@@ -122,4 +123,8 @@ __all__ = [
     "register_layer_ops",
     "rope_inverse_frequencies",
     "select_experts",
+    # M-RoPE (tokenmill.layers.mrope)
+    "MRopeItem",
+    "MRotaryEmbedding",
+    "mrope_prompt_positions",
 ]

@@ -103,4 +103,8 @@ def get_rotary_embedding(ctx: ModelBuildContext, head_size: int, max_position: i
 
         return ctx.shared_module(key, lambda: LongRopeRotaryEmbedding(ctx.hf_config, head_size, max_position,
                                                                       layer_type))
+    if "mrope_section" in params:  # Qwen2-VL's three position sections (tokenmill.layers.mrope)
+        from tokenmill.layers.mrope import MRotaryEmbedding
+
+        return ctx.shared_module(key, lambda: MRotaryEmbedding(ctx.hf_config, head_size, max_position, layer_type))
     return ctx.shared_module(key, lambda: RotaryEmbedding(ctx.hf_config, head_size, max_position, layer_type))

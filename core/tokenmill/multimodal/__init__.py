@@ -1,4 +1,4 @@
-"""Multimodal inputs: images (and later video) merged into a language model's token embeddings.
+"""Multimodal inputs: images and videos merged into a language model's token embeddings.
 
 The engine side (:mod:`.processor`) runs the model folder's own Hugging Face processor, which
 expands each placeholder into the image's tokens; every item becomes a :class:`MultiModalItem`

@@ -1,43 +1,75 @@
-"""OpenAI chat content parts with images: each ``image_url`` part becomes the model's
-placeholder text (which the processor then expands) and its image is loaded, in order."""
+"""OpenAI chat content parts with images (and videos): each ``image_url`` (``video_url``) part
+becomes the model's placeholder text (which the processor then expands) and its image (the
+video file's bytes) is loaded, in order."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.multimodal.media import load_image_url
+from tokenmill.multimodal.media import load_image_url, load_video_url
 
 IMAGE_PART_TYPES = ("image_url", "input_image")
+VIDEO_PART_TYPES = ("video_url",)
 
 
 def take_images(messages: Sequence[dict[str, Any]], placeholder: str | None,
                 allowed_local_media_path: str | None) -> tuple[list[dict[str, Any]], list[Any]]:
     """The messages with their image parts replaced by ``placeholder`` text parts, and the
     images. ``placeholder`` None: the model takes no images, so an image part is refused."""
-    images: list[Any] = []
+    out, media = take_media(messages, {"image": placeholder}, allowed_local_media_path)
+    return out, media["image"]
+
+
+def take_media(messages: Sequence[dict[str, Any]], placeholders: Mapping[str, str | None],
+               allowed_local_media_path: str | None) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """The messages with their image and video parts replaced by the placeholder text of
+    their modality, and the items of each modality (images, videos' file bytes), in order.
+    A modality whose placeholder is None or absent is one the model does not take: its parts
+    are refused."""
+    media: dict[str, list[Any]] = {"image": [], "video": []}
     out = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                modality = _modality(part)
+                if modality is not None:
+                    placeholder = placeholders.get(modality)
                     if placeholder is None:
-                        raise InvalidRequestError("this model takes no images: only text content parts",
-                                                  param="messages")
-                    images.append(load_image_url(_url(part), allowed_local_media_path))
+                        raise InvalidRequestError(f"this model takes no {modality}s: only "
+                                                  f"{_accepted(placeholders)} content parts", param="messages")
+                    load = load_image_url if modality == "image" else load_video_url
+                    media[modality].append(load(_url(part, modality), allowed_local_media_path))
                     part = {"type": "text", "text": placeholder}
                 parts.append(part)
             message = {**message, "content": parts}
         out.append(message)
-    return out, images
+    return out, media
 
 
-def _url(part: dict[str, Any]) -> str:
-    value = part.get("image_url")
+def media_placeholders(processor: Any) -> dict[str, str | None]:
+    """The chat text of one item of each modality for a multimodal ``processor`` (None: a
+    text model, which takes neither)."""
+    return {"image": getattr(processor, "image_placeholder", None), "video": getattr(processor, "video_placeholder", None)}
+
+
+def _modality(part: Any) -> str | None:
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    return "image" if kind in IMAGE_PART_TYPES else "video" if kind in VIDEO_PART_TYPES else None
+
+
+def _accepted(placeholders: Mapping[str, str | None]) -> str:
+    return " and ".join(["text", *(m for m, p in placeholders.items() if p is not None)])
+
+
+def _url(part: dict[str, Any], modality: str = "image") -> str:
+    value = part.get(f"{modality}_url")
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise InvalidRequestError("an image_url content part needs image_url.url", param="messages")
+        raise InvalidRequestError(f"a {modality}_url content part needs {modality}_url.url", param="messages")
     return url

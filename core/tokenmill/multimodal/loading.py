@@ -23,6 +23,12 @@ def multimodal_processor(checkpoint: Checkpoint, plugins: PluginManager,
     spec = registered_model_spec(checkpoint, plugins)
     if spec is None or MULTIMODAL not in spec.capabilities:
         return None
+    if spec.mm_processor is not None:  # the model plugin's own processor
+        from tokenmill.plugins.specs import resolve_qualname
+
+        processor: MultiModalProcessor = resolve_qualname(spec.mm_processor)(checkpoint.path, checkpoint.hf_config,
+                                                                             limits)
+        return processor
     from tokenmill.multimodal.processor import MultiModalProcessor
 
     return MultiModalProcessor(checkpoint.path, checkpoint.hf_config, limits)

@@ -1,4 +1,4 @@
-"""Images from what an API request sends: ``data:`` URLs (base64) and ``file://`` paths
+"""Images (and video files) from what an API request sends: ``data:`` URLs (base64) and ``file://`` paths
 under the one folder the server allows (``allowed_local_media_path``).
 
 Every failure is an :class:`InvalidRequestError` that says what was wrong with the input
@@ -27,6 +27,17 @@ def load_image_url(url: str, allowed_local_media_path: str | None = None) -> Any
         return image_from_bytes(_local_file_bytes(url, allowed_local_media_path))
     scheme = url.split(":", 1)[0] if ":" in url else "(none)"
     raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported: send a data: URL (base64) or a file:// "
+                              "path under --allowed-local-media-path", param=_PARAM)
+
+
+def load_video_url(url: str, allowed_local_media_path: str | None = None) -> bytes:
+    """The bytes of the video file at ``url`` (decoded by the model's processor)."""
+    if url.startswith("data:"):
+        return _data_url_bytes(url)
+    if url.startswith("file:"):
+        return _local_file_bytes(url, allowed_local_media_path)
+    scheme = url.split(":", 1)[0] if ":" in url else "(none)"
+    raise InvalidRequestError(f"video URL scheme {scheme!r} is not supported: send a data: URL (base64) or a file:// "
                               "path under --allowed-local-media-path", param=_PARAM)
 
 

@@ -15,7 +15,7 @@ from tokenmill.multimodal.inputs import MultiModalItem, content_hash
 
 MODALITIES = ("image",)
 # The processor's outputs that describe the text, not an item.
-_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
 
 class MultiModalProcessor:

@@ -85,6 +85,10 @@ class ModelSpec:
     whose position table holds more rows than that (RoBERTa's first rows sit below its padding
     id: ``max_position_embeddings - pad_token_id - 1``); None: ``max_position_embeddings``.
     A plain function, so the entry-point module still imports no torch.
+    ``mm_processor``: for a ``"multimodal"`` model, the ``"module:Class"`` of its own input
+    processor (called ``(folder, hf_config, limits)``, with the interface of
+    ``tokenmill.multimodal.processor.MultiModalProcessor``) where the model folder's
+    ``AutoProcessor`` does not serve (Qwen2-VL's needs torchvision); None: that one.
     """
 
     qualname: str
@@ -93,6 +97,7 @@ class ModelSpec:
     capabilities: frozenset[str] = field(default_factory=frozenset)
     default_pooling: str = "last"
     max_positions: Callable[[Any], int] | None = None
+    mm_processor: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,6 +88,22 @@ def records_aux_hidden_states(model: Any) -> bool:
     """Whether ``model`` implements :class:`AuxHiddenStatesCausalLM`."""
     return (callable(getattr(model, "set_aux_hidden_state_layers", None))
             and callable(getattr(model, "take_aux_hidden_states", None)))
+
+
+class MRopeCausalLM(MultiModalCausalLM, Protocol):
+    """A multimodal model whose rotary positions have three sections (M-RoPE, Qwen2-VL):
+    the runner gives its forward ``positions`` ``[3, T]`` in a step with item tokens, and
+    ``[T]`` (the three equal) otherwise (:class:`tokenmill.layers.MRotaryEmbedding`)."""
+
+    def mrope_prompt_positions(self, prompt_token_ids: list[int], items: list[Any]) -> tuple[np.ndarray, int]:
+        """The prompt's positions ``[3, len(prompt_token_ids)]`` and the offset ``delta`` that
+        the tokens after it add to their index (in all three sections)."""
+        ...
+
+
+def uses_mrope(model: Any) -> bool:
+    """Whether ``model`` implements :class:`MRopeCausalLM`."""
+    return is_multimodal(model) and callable(getattr(model, "mrope_prompt_positions", None))
 
 
 def is_multimodal(model: Any) -> bool:

@@ -6,6 +6,7 @@ remembers the sampled tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -216,8 +217,11 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states, and the logits of every token where a step graph computed them too."""
         if self.multimodal is not None:  # a step with image tokens runs eagerly, from embeddings
+            mrope = self.multimodal.step_positions(inputs, self.batch)  # M-RoPE: the model's own positions
+            if mrope is not None:
+                inputs = dataclasses.replace(inputs, positions=mrope)
             embeds = self.multimodal.step_embeddings(inputs, self.batch)
-            if embeds is not None:
+            if embeds is not None or inputs.positions.dim() > 1:
                 return cast(Any, self.model)(inputs.input_ids, inputs.positions, inputs.metadata,
                                              inputs_embeds=embeds), None
         if self.graphs is not None:

@@ -10,6 +10,7 @@ when it is there, else from the model's ``embed_multimodal``, once per item per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ import torch
 from tokenmill.multimodal.encoder_cache import EncoderCache
 from tokenmill.multimodal.inputs import MultiModalItem
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.model_interface import MultiModalCausalLM
+from tokenmill.worker.model_interface import MRopeCausalLM, MultiModalCausalLM, uses_mrope
 from tokenmill.worker.step_inputs import StepInputs
 
 
@@ -35,6 +36,7 @@ class MultiModalEmbedder:
     def __init__(self, model: MultiModalCausalLM, cache_size: int) -> None:
         self.model = model
         self.cache = EncoderCache(cache_size)
+        self.mrope = uses_mrope(model)
         self._reported = (0, 0)  # the cache's (queries, hits) at the last take_step_counts
 
     def take_step_counts(self) -> tuple[int, int]:
@@ -57,6 +59,35 @@ class MultiModalEmbedder:
         rows = torch.cat([outputs[s.item.content_hash][s.lo:s.hi] for s in slices])
         is_multimodal = torch.from_numpy(mask).to(inputs.input_ids.device)
         return self.model.embed_input_ids(inputs.input_ids, rows, is_multimodal)
+
+    def step_positions(self, inputs: StepInputs, batch: InputBatch) -> torch.Tensor | None:
+        """An M-RoPE model's positions for the step: ``[3, T]`` where a scheduled token is an
+        item's, ``[T]`` (shifted by each request's decode offset) otherwise; None where no
+        scheduled request has items (its positions are the plain ones) or the model has no M-RoPE."""
+        if not self.mrope:
+            return None
+        positions: np.ndarray | None = None
+        for i, row in enumerate(inputs.rows):
+            state = batch.states[int(row)]
+            if not state.mm_inputs:
+                continue
+            if state.mrope is None:  # once per request: the prompt and its items do not change
+                state.mrope = cast(MRopeCausalLM, self.model).mrope_prompt_positions(state.prompt_token_ids,
+                                                                                     state.mm_inputs)
+            if positions is None:
+                positions = np.broadcast_to(_plain_positions(inputs), (3, int(inputs.query_start[-1]))).copy()
+            prompt, delta = state.mrope
+            start, count, flat = int(inputs.context_lens[i]), int(inputs.num_scheduled[i]), int(inputs.query_start[i])
+            index = np.arange(start, start + count)
+            in_prompt = index < prompt.shape[1]
+            positions[:, flat:flat + count] = np.where(in_prompt, prompt[:, np.minimum(index, prompt.shape[1] - 1)],
+                                                       index + delta)
+        if positions is None:
+            return None
+        device = inputs.positions.device
+        if (positions[0] == positions[1]).all() and (positions[0] == positions[2]).all():
+            return torch.from_numpy(positions[0].copy()).to(device)
+        return torch.from_numpy(positions).to(device)
 
     def _encoder_outputs(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
         """Each item's whole encoder output, by content hash: cached, or encoded now (the
@@ -82,6 +113,12 @@ class MultiModalEmbedder:
                 outputs[key] = output
                 self.cache.put(key, output)
         return outputs
+
+
+def _plain_positions(inputs: StepInputs) -> np.ndarray:
+    """Each scheduled token's index in its request, flat."""
+    offsets = np.repeat(inputs.context_lens - inputs.query_start[:-1], inputs.num_scheduled)
+    return np.asarray(offsets + np.arange(int(inputs.query_start[-1])), dtype=np.int64)
 
 
 def _step_slices(inputs: StepInputs, batch: InputBatch) -> list[_Slice]:

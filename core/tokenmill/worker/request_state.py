@@ -22,6 +22,7 @@ class CachedRequestState:
     pooling: str | None = None  # "last" / "mean" / "cls" for embedding requests
     lora_slot: int = -1  # its LoRA adapter's device slot (-1: the base model)
     mm_inputs: list[Any] = field(default_factory=list)  # its MultiModalItems, in prompt order
+    mrope: tuple[Any, int] | None = None  # an M-RoPE model's prompt positions [3, P] and decode offset, once computed
     pooled_sum: torch.Tensor | None = None  # running sum of hidden states, for mean pooling; the first's, for cls
     output_token_ids: list[int] = field(default_factory=list)
     # prompt logprobs gathered so far, for a prompt computed in several chunks

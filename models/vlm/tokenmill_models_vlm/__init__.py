@@ -1,5 +1,6 @@
 """Vision-language model plugin: LLaVA (a CLIP vision tower and a projector in front of a
-language model that another model plugin provides).
+language model that another model plugin provides) and Qwen2-VL / Qwen2.5-VL (their vision
+transformers, M-RoPE positions, images at their own resolution and videos).
 
 This module is the entry point: it imports no torch; the classes load lazily. Each
 architecture declares the ``"multimodal"`` capability, which gives its engines the model
@@ -12,10 +13,18 @@ TOKENMILL_PLUGIN_API = 1
 
 ARCHITECTURES = {
     "LlavaForConditionalGeneration": "tokenmill_models_vlm.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "tokenmill_models_vlm.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "tokenmill_models_vlm.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+}
+# Models whose folder's AutoProcessor does not serve (Qwen2-VL's needs torchvision): their own.
+PROCESSORS = {
+    "Qwen2VLForConditionalGeneration": "tokenmill_models_vlm.qwen2_vl_processor:Qwen2VLInputProcessor",
+    "Qwen2_5_VLForConditionalGeneration": "tokenmill_models_vlm.qwen2_vl_processor:Qwen2VLInputProcessor",
 }
 
 
 @hookimpl
 def tokenmill_register_models() -> dict[str, ModelSpec]:
-    return {arch: ModelSpec(qualname, supports_pooling=False, capabilities=frozenset({"multimodal"}))
+    return {arch: ModelSpec(qualname, supports_pooling=False, capabilities=frozenset({"multimodal"}),
+                            mm_processor=PROCESSORS.get(arch))
             for arch, qualname in ARCHITECTURES.items()}

@@ -26,10 +26,11 @@ def text_architecture(text_config: Any) -> str:
     return str(architecture)
 
 
-def build_language_model(text_config: Any, ctx: ModelBuildContext) -> nn.Module:
-    """The registered class of ``text_config``'s architecture, built under ``ctx`` (whose
+def build_language_model(text_config: Any, ctx: ModelBuildContext, architecture: str | None = None) -> nn.Module:
+    """The registered class of ``text_config``'s architecture (or of ``architecture``, for a
+    text config transformers pairs with no causal LM: Qwen2-VL's), built under ``ctx`` (whose
     prefix is where its tensors sit in the checkpoint) with ``text_config`` as its config."""
-    architecture = text_architecture(text_config)
+    architecture = architecture or text_architecture(text_config)
     registered = get_plugin_manager().collect_named("tokenmill_register_models")
     if architecture not in registered:
         raise UnsupportedModelError(f"the language model {architecture} is not registered by any installed model "
