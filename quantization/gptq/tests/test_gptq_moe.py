@@ -162,3 +162,43 @@ def test_gptq_experts_placed_whole_on_two_expert_parallel_ranks_sum_to_the_whole
         layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
         total += layer(x, logits)
     torch.testing.assert_close(total, whole(x, logits), rtol=1e-5, atol=1e-5)
+
+
+def _tensor_parallel_layer(recipe: GptqRecipe, rank: int, world_size: int) -> FusedMoE:
+    from tokenmill.layers import ModelBuildContext
+
+    ctx = ModelBuildContext(hf_config=None, prefix="experts", rank=rank, world_size=world_size,
+                            params_dtype=torch.float32)
+    return FusedMoE(NUM_EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), ctx=ctx,
+                    quant_method=GptqFusedMoEMethod(_scheme(recipe)), expert_names=NAMES, reduce_results=False)
+
+
+@pytest.mark.parametrize("recipe", [GptqRecipe(bits=4, group_size=8, sym=True),  # each rank its own groups
+                                    RECIPES[1],  # act-order: every rank keeps all groups, its rows' g_idx
+                                    RECIPES[2]], ids=str)  # one group over all inputs
+def test_gptq_experts_split_over_two_tensor_parallel_ranks_sum_to_the_dequantised_layer(recipe):
+    """Tensor parallelism: each rank loads the whole checkpoint tensors and keeps its half of
+    every expert's intermediate dimension (gate/up columns, down rows and their groups); the two
+    partial outputs add up to the float reference on the dequantised weights."""
+    tensors, gate_up, down = _expert_tensors(recipe, seed=7)
+    torch.manual_seed(7)
+    x, logits = torch.randn(11, HIDDEN), torch.randn(11, NUM_EXPERTS)
+    total = torch.zeros(11, HIDDEN)
+    for rank in range(2):
+        layer = _tensor_parallel_layer(recipe, rank, 2)
+        for name, tensor in tensors.items():
+            layer.load_checkpoint_tensor(name, tensor)
+        assert layer.missing_checkpoint_tensors() == []
+        assert layer.gate_up_proj_qweight.shape == (NUM_EXPERTS, HIDDEN // 8, INTER)
+        assert layer.down_proj_qweight.shape == (NUM_EXPERTS, INTER // 2 // 8, HIDDEN)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+        total += layer(x, logits)
+    weights, ids = select_experts(logits, MoERouting(top_k=2, renormalize=True))
+    reference = NativeLayerOps().fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(total, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_gptq_groups_that_would_straddle_two_tensor_parallel_ranks_are_refused_with_the_sizes():
+    with pytest.raises(ValueError, match=r"intermediate size of 48 over 2 tensor-parallel ranks is 24 per rank, "
+                                         r"not a multiple of GPTQ group_size 32"):
+        _tensor_parallel_layer(RECIPES[0], 0, 2)
