@@ -202,3 +202,21 @@ def test_gptq_groups_that_would_straddle_two_tensor_parallel_ranks_are_refused_w
     with pytest.raises(ValueError, match=r"intermediate size of 48 over 2 tensor-parallel ranks is 24 per rank, "
                                          r"not a multiple of GPTQ group_size 32"):
         _tensor_parallel_layer(RECIPES[0], 0, 2)
+
+
+def test_a_gptq_mixtral_over_two_tensor_parallel_ranks_generates_what_one_rank_generates(tmp_path):
+    """The tiny Mixtral (8 experts of intermediate 128) written as an act-order GPTQ checkpoint,
+    run by two worker processes (the "mp" executor): each rank holds 64 of every expert's
+    intermediate features (all of down's groups, its rows' g_idx). The same float32 products
+    summed in another order: tokens equal, logprobs within 1e-4."""
+    float_folder = build_moe_model(tmp_path / "float", "mixtral")
+    quantized = tmp_path / "gptq"
+    build_gptq_pair(float_folder, quantized, tmp_path / "dequantized",
+                    GptqRecipe(bits=4, group_size=32, desc_act=True, checkpoint_format="gptq_v2"),
+                    linear=LINEAR + EXPERTS)
+    prompts = _prompts()
+    one = greedy_with_logprobs(quantized, prompts, MAX_NEW)
+    two = greedy_with_logprobs(quantized, prompts, MAX_NEW, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert two[0] == one[0]
+    assert max(abs(a - b) for ours, theirs in zip(one[1], two[1], strict=True)
+               for a, b in zip(ours, theirs, strict=True)) < 1e-4
