@@ -61,7 +61,8 @@ class GptqFusedMoEMethod:
         inter = intermediate_size_per_rank
         self.rank, self.world_size = layer.loader.rank, layer.loader.world_size  # (1 under expert parallelism)
         self.down_group_mode = self._down_group_mode(layer, inter)
-        for what, size in (("hidden size", hidden_size), ("expert intermediate size", inter)):
+        per_rank = f" per rank (over {self.world_size} tensor-parallel ranks)" if self.world_size > 1 else ""
+        for what, size in (("hidden size", hidden_size), (f"expert intermediate size{per_rank}", inter)):
             if size % per_word:
                 raise ValueError(f"{layer.prefix}: a {what} of {size} is not a multiple of {per_word} "
                                  f"({self.scheme.bits}-bit values, {per_word} to an int32 word)")
