@@ -24,7 +24,7 @@ HIDDEN, INTER, NUM_EXPERTS, GROUP = 64, 48, 8, 16
 NAMES = ("w1", "w3", "w2")  # Mixtral's (gate, up, down)
 
 
-def _expert_tensors(seed: int = 0):
+def _expert_tensors(seed: int = 0, group: int = GROUP):
     """Per-expert AWQ tensors of random experts, and the dequantised stacks
     ``gate_up [E, 2I, H]`` and ``down [E, H, I]``."""
     torch.manual_seed(seed)
@@ -32,10 +32,10 @@ def _expert_tensors(seed: int = 0):
     for expert in range(NUM_EXPERTS):
         dequantised = {}
         for name, shape in (("w1", (INTER, HIDDEN)), ("w3", (INTER, HIDDEN)), ("w2", (HIDDEN, INTER))):
-            q, zeros, scales = quantize(torch.randn(shape) * 0.2, GROUP)
+            q, zeros, scales = quantize(torch.randn(shape) * 0.2, group)
             tensors.update({f"{expert}.{name}.qweight": pack_awq(q), f"{expert}.{name}.qzeros": pack_awq(zeros),
                             f"{expert}.{name}.scales": scales})
-            dequantised[name] = dequantize(q, zeros, scales, GROUP)
+            dequantised[name] = dequantize(q, zeros, scales, group)
         gate_up.append(torch.cat([dequantised["w1"], dequantised["w3"]]))
         down.append(dequantised["w2"])
     return tensors, torch.stack(gate_up), torch.stack(down)
@@ -84,3 +84,40 @@ def test_awq_moe_checkpoint_generates_like_transformers_on_dequantised_weights(t
     assert agreement.fraction == 1.0, agreement  # weight-only: the twin's arithmetic up to summation order
     assert agreement.max_logprob_error <= 1e-3, agreement
     assert (tokens, logprobs) != greedy_with_logprobs(float_folder, prompts, 12), "quantization changed nothing"
+
+
+def _tensor_parallel_layer(group: int, rank: int, world_size: int) -> FusedMoE:
+    from tokenmill.layers import ModelBuildContext
+
+    ctx = ModelBuildContext(hf_config=None, prefix="experts", rank=rank, world_size=world_size,
+                            params_dtype=torch.float32)
+    return FusedMoE(NUM_EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), ctx=ctx,
+                    quant_method=AwqFusedMoEMethod(group), expert_names=NAMES, reduce_results=False)
+
+
+def test_awq_experts_split_over_two_tensor_parallel_ranks_sum_to_the_dequantised_layer():
+    """Tensor parallelism: each rank keeps its half of every expert's intermediate dimension
+    (gate/up's packed column words and scales, down's rows and their groups); the two partial
+    outputs add up to the float reference on the dequantised weights."""
+    group = 8  # 24 intermediate inputs per rank: three whole groups each
+    tensors, gate_up, down = _expert_tensors(seed=9, group=group)
+    torch.manual_seed(9)
+    x, logits = torch.randn(11, HIDDEN), torch.randn(11, NUM_EXPERTS)
+    total = torch.zeros(11, HIDDEN)
+    for rank in range(2):
+        layer = _tensor_parallel_layer(group, rank, 2)
+        for name, tensor in tensors.items():
+            layer.load_checkpoint_tensor(name, tensor)
+        assert layer.missing_checkpoint_tensors() == []
+        assert layer.gate_up_proj_qweight.shape == (NUM_EXPERTS, HIDDEN, INTER // 8)
+        assert layer.down_proj_qweight.shape == (NUM_EXPERTS, INTER // 2, HIDDEN // 8)
+        total += layer(x, logits)
+    weights, ids = select_experts(logits, MoERouting(top_k=2, renormalize=True))
+    reference = NativeLayerOps().fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(total, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_groups_that_would_straddle_two_tensor_parallel_ranks_are_refused_with_the_sizes():
+    with pytest.raises(ValueError, match=r"intermediate size of 48 over 2 tensor-parallel ranks is 24 per rank, "
+                                         r"not a multiple of AWQ group_size 16"):
+        _tensor_parallel_layer(GROUP, 0, 2)

@@ -11,8 +11,14 @@ of hidden size ``H`` and intermediate size ``I`` (``G(K) = K / group_size``):
 * ``*_scales`` float32 ``[E, G, N]``.
 
 The experts run one at a time over those that got tokens, each dequantised whole and
-multiplied in the activations' dtype (the linear layers' torch path). Not split over
-tensor-parallel ranks yet (refused at build, as the linear layers are).
+multiplied in the activations' dtype (the linear layers' torch path).
+
+Under tensor parallelism (without expert parallelism) every expert is split by its
+intermediate dimension, as the float experts are: rank ``r`` of ``T`` holds gate and up's
+output columns ``[r I/T, (r+1) I/T)`` (whole packed words of ``qweight`` / ``qzeros``, so
+``I / T`` is a multiple of 8, and those ``scales`` columns) and down's input rows of that
+range with their own whole groups of ``qzeros`` / ``scales`` (``I / T`` a multiple of
+``group_size``; one group over all inputs is the same on every rank).
 """
 
 from __future__ import annotations
@@ -44,12 +50,17 @@ class AwqFusedMoEMethod:
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
+        self.rank, self.world_size = 0, 1  # set by create_weights
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
-        if layer.loader.world_size > 1:
-            raise ValueError(f"{layer.prefix}: AWQ experts are not split over tensor-parallel ranks yet")
         inter = intermediate_size_per_rank
+        self.rank, self.world_size = layer.loader.rank, layer.loader.world_size  # (1 under expert parallelism)
+        if self.world_size > 1 and self.group_size != -1 and inter % self.group_size:
+            raise ValueError(f"{layer.prefix}: an expert intermediate size of {inter * self.world_size} over "
+                             f"{self.world_size} tensor-parallel ranks is {inter} per rank, not a multiple of "
+                             f"AWQ group_size {self.group_size}: a group of down_proj's inputs would straddle "
+                             "two ranks")
         for stack, k, n, width in (("gate_up_proj", hidden_size, 2 * inter, inter),
                                    ("down_proj", inter, hidden_size, hidden_size)):
             group = k if self.group_size == -1 else self.group_size
@@ -74,15 +85,34 @@ class AwqFusedMoEMethod:
         if leaf != "scales" and loaded.dtype != torch.int32:
             raise ValueError(f"{name}: expected packed int32, the checkpoint has {loaded.dtype}")
         columns = width if leaf == "scales" else width // PER_WORD
+        loaded = self._rank_part(stack, leaf, loaded, layer.intermediate_size_per_rank)
         expert = param.data[expert_id]
         target = expert if shard_id is None else expert.narrow(1, shard_id * columns, columns)
         if loaded.shape != target.shape:
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
                              f"{layer.placement.first + expert_id} of {layer.prefix}.{stack}_{leaf} "
-                             f"(expects {tuple(target.shape)}; "
+                             f"(expects {tuple(target.shape)}{' on this rank' if self.world_size > 1 else ''}; "
                              f"group_size {self.group_size})")
         target.copy_(loaded.float() if leaf == "scales" else awq_to_natural(loaded))
         self.loaded.add((expert_id, stack, shard_id, leaf))
+
+    def _rank_part(self, stack: str, leaf: str, loaded: torch.Tensor, inter: int) -> torch.Tensor:
+        """This rank's part of one expert's whole checkpoint tensor: gate/up's intermediate output
+        columns (whole words of the packed leaves), down's intermediate input rows and their groups.
+        A tensor of another size is returned as is, for the shape check to name."""
+        if self.world_size == 1 or loaded.dim() != 2:
+            return loaded
+        if stack == "gate_up_proj":
+            columns = inter if leaf == "scales" else inter // PER_WORD
+            if loaded.shape[1] != columns * self.world_size:
+                return loaded
+            return loaded.narrow(1, self.rank * columns, columns)
+        if leaf != "qweight" and self.group_size == -1:
+            return loaded  # one group over all inputs: the same on every rank
+        rows = inter if leaf == "qweight" else inter // self.group_size
+        if loaded.shape[0] != rows * self.world_size:
+            return loaded
+        return loaded.narrow(0, self.rank * rows, rows)
 
     tensor_name = staticmethod(expert_tensor_name)
 

@@ -15,8 +15,16 @@ over ``K`` inputs):
 
 The experts run one at a time over those that got tokens (the float reference's loop),
 each dequantised whole and multiplied in the activations' dtype, or, on CUDA with
-triton, through the linear layers' packed-int Triton matmul. Not split over
-tensor-parallel ranks yet (refused at build, as the linear layers are).
+triton, through the linear layers' packed-int Triton matmul.
+
+Under tensor parallelism (without expert parallelism) every expert is split by its
+intermediate dimension, as the float experts are: rank ``r`` of ``T`` holds gate and up's
+output columns ``[r I/T, (r+1) I/T)`` (of ``qweight``, the unpacked ``qzeros`` and
+``scales``; ``g_idx`` over the hidden inputs whole) and down's input rows of the same range
+(``I / T / p`` packed ``qweight`` rows, and, without act-order, its own whole groups of
+``qzeros`` / ``scales`` with ``g_idx`` counted from its first group, so ``I / T`` must be a
+multiple of ``group_size``; with act-order a rank's rows belong to any group, so it keeps
+every group and its rows' ``g_idx``), as the row-parallel linear layers do.
 """
 
 from __future__ import annotations
@@ -45,33 +53,76 @@ class GptqFusedMoEMethod:
         self.scheme = scheme
         self.kernel = "torch"  # chosen once the weights are on their device
         self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
+        self.rank, self.world_size, self.down_group_mode = 0, 1, "whole"  # set by create_weights
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
-        if layer.loader.world_size > 1:
-            raise ValueError(f"{layer.prefix}: GPTQ experts are not split over tensor-parallel ranks yet")
         per_word = values_per_word(self.scheme.bits)
         inter = intermediate_size_per_rank
-        for what, size in (("hidden size", hidden_size), ("expert intermediate size", inter)):
+        self.rank, self.world_size = layer.loader.rank, layer.loader.world_size  # (1 under expert parallelism)
+        self.down_group_mode = self._down_group_mode(layer, inter)
+        per_rank = f" per rank (over {self.world_size} tensor-parallel ranks)" if self.world_size > 1 else ""
+        for what, size in (("hidden size", hidden_size), (f"expert intermediate size{per_rank}", inter)):
             if size % per_word:
                 raise ValueError(f"{layer.prefix}: a {what} of {size} is not a multiple of {per_word} "
                                  f"({self.scheme.bits}-bit values, {per_word} to an int32 word)")
         # (stack, inputs K, outputs N, shard width: the columns one checkpoint tensor fills)
         for stack, k, n, width in (("gate_up_proj", hidden_size, 2 * inter, inter),
                                    ("down_proj", inter, hidden_size, hidden_size)):
-            groups = self.scheme.groups(k)
+            replicated = stack == "down_proj" and self.down_group_mode == "replicated"
+            groups = self.scheme.groups(k * self.world_size if replicated else k)
+            g_idx = (self.scheme.group_of(k * self.world_size).narrow(0, self.rank * k, k) if replicated
+                     else self.scheme.group_of(k))
             shapes = {"qweight": (torch.zeros(num_experts, k // per_word, n, dtype=torch.int32)),
                       "qzeros": torch.full((num_experts, groups, n), -1, dtype=torch.int32),
                       "scales": torch.zeros(num_experts, groups, n, dtype=torch.float32),
-                      "g_idx": self.scheme.group_of(k).repeat(num_experts, 1)}
+                      "g_idx": g_idx.repeat(num_experts, 1)}
             for leaf, data in shapes.items():
                 param = layer.add_parameter(f"{stack}_{leaf}", data)
                 param.weight_loader = functools.partial(  # type: ignore[attr-defined]
                     self._load, layer, stack, leaf, width)
 
+    def _down_group_mode(self, layer: FusedMoE, inter: int) -> str:
+        """How down's groups (over the intermediate inputs) fall on the ranks: ``"split"`` (each
+        rank its own run of whole groups), ``"replicated"`` (act-order: every rank all groups), or
+        ``"whole"`` (one rank, or one group over all inputs, the same on every rank)."""
+        if self.world_size == 1 or self.scheme.group_size == -1:
+            return "whole"
+        if self.scheme.desc_act:
+            return "replicated"
+        if inter % self.scheme.group_size:
+            raise ValueError(f"{layer.prefix}: an expert intermediate size of {inter * self.world_size} over "
+                             f"{self.world_size} tensor-parallel ranks is {inter} per rank, not a multiple of "
+                             f"GPTQ group_size {self.scheme.group_size}: a group of down_proj's inputs would "
+                             "straddle two ranks")
+        return "split"
+
+    def _rank_part(self, stack: str, leaf: str, source: torch.Tensor, inter: int) -> torch.Tensor:
+        """This rank's part of one expert's whole checkpoint tensor (``qzeros`` unpacked):
+        gate/up's intermediate output columns, down's intermediate input rows (and groups).
+        A tensor of another size is returned as is, for the shape check to name."""
+        if self.world_size == 1 or source.dim() == 0:
+            return source
+        if stack == "gate_up_proj":
+            if leaf == "g_idx" or source.dim() != 2 or source.shape[1] != inter * self.world_size:
+                return source
+            return source.narrow(1, self.rank * inter, inter)
+        rows = {"qweight": inter // values_per_word(self.scheme.bits), "g_idx": inter}.get(leaf)
+        if rows is None:  # qzeros / scales: their groups
+            if self.down_group_mode != "split":
+                return source
+            rows = inter // self.scheme.group_size
+        if source.shape[0] != rows * self.world_size:
+            return source
+        part = source.narrow(0, self.rank * rows, rows)
+        if leaf == "g_idx" and self.down_group_mode == "split":  # counted from this rank's first group
+            part = part - self.rank * (inter // self.scheme.group_size)
+        return part
+
     def _load(self, layer: FusedMoE, stack: str, leaf: str, width: int, param: nn.Parameter, loaded: torch.Tensor,
               shard_id: int | None = None, expert_id: int | None = None) -> None:
         name = self.tensor_name(layer, stack, shard_id, expert_id, leaf)
+        inter = layer.intermediate_size_per_rank
         if expert_id is None:
             raise ValueError(f"{name}: GPTQ experts are read per expert (experts.N.<projection>.{leaf}), "
                              "not as a stacked tensor")
@@ -79,18 +130,21 @@ class GptqFusedMoEMethod:
             raise ValueError(f"{name}: expected packed int32, the checkpoint has {loaded.dtype}")
         expert = param.data[expert_id]
         if leaf == "g_idx":
-            self._load_g_idx(name, expert, loaded, stack, shard_id, expert_id)
+            self._load_g_idx(name, expert, self._rank_part(stack, leaf, loaded.to(torch.int32), inter), stack,
+                             shard_id, expert_id)
             return
         source = loaded.float() if leaf == "scales" else loaded
         if leaf == "qzeros":
             source = unpack_columns(loaded, self.scheme.bits) if loaded.dim() == 2 else loaded
             source = source + 1 if self.scheme.zero_version == 1 else source
+        source = self._rank_part(stack, leaf, source, inter)
         target = expert if shard_id is None else expert.narrow(1, shard_id * width, width)
         if source.shape != target.shape:
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
                              f"{layer.placement.first + expert_id} of {layer.prefix}.{stack}_{leaf} "
                              f"(expects {tuple(target.shape)}"
-                             f"{' unpacked' if leaf == 'qzeros' else ''}; group_size {self.scheme.group_size})")
+                             f"{' unpacked' if leaf == 'qzeros' else ''}{' on this rank' if self.world_size > 1 else ''}; "
+                             f"group_size {self.scheme.group_size})")
         target.copy_(source)
         self.loaded.add((expert_id, stack, shard_id, leaf))
 
