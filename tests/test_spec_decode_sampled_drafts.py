@@ -156,3 +156,19 @@ def test_a_proposals_q_is_the_drafts_softmax_at_the_request_temperature(llama_pa
         first = int(model(torch.tensor([PROMPT])).logits[0, -1].argmax())
         second = int(model(torch.tensor([[*PROMPT, first]])).logits[0, -1].argmax())
     assert drafts[1] == [first, second]
+
+
+def test_a_mixed_batch_keeps_greedy_output_and_reproduces_seeded_samples(llama_path, noisy_draft):
+    """Greedy and seeded sampled requests in one batch: the greedy ones decode exactly as
+    without speculation; the sampled ones come out the same in a second engine."""
+    from test_spec_decode import _greedy, _repetitive_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts()]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    params = [_greedy(12) if i % 2 else sampled for i in range(len(prompts))]
+    plain = _engine(llama_path).generate(prompts, _greedy(12))
+    first, second = (_speculating(llama_path, noisy_draft).generate(prompts, params) for _ in range(2))
+    for i, (a, b, p) in enumerate(zip(first, second, plain, strict=True)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: not reproducible"
+        if i % 2:
+            assert a.outputs[0].token_ids == p.outputs[0].token_ids, f"prompt {i}: greedy output changed"
