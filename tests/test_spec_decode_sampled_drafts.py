@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_spec_decode import _engine
 
-from tokenmill import SamplingParams
+from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.spec_decode.proposer import DraftRequest
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -139,10 +139,13 @@ def test_a_proposals_q_is_the_drafts_softmax_at_the_request_temperature(llama_pa
     proposer = llm.engine.core.executor.collective_rpc(lambda worker: worker.runner.spec_decode.proposer)[0]
     params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=3)
     greedy = SamplingParams(temperature=0.0)
-    requests = [DraftRequest("sampled", np.array(PROMPT), 2, params), DraftRequest("greedy", np.array(PROMPT), 2, greedy)]
+    # a grammar cuts drafts by their values, exact only for one-hot drafts: argmax too
+    constrained = SamplingParams(temperature=TEMPERATURE, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    requests = [DraftRequest("sampled", np.array(PROMPT), 2, params), DraftRequest("greedy", np.array(PROMPT), 2, greedy),
+                DraftRequest("constrained", np.array(PROMPT), 2, constrained)]
     drafts = proposer.propose(requests)
     probs = proposer.take_draft_probs()
-    assert set(probs) == {"sampled"}  # a greedy request's drafts are one-hot: no q handed over
+    assert set(probs) == {"sampled"}  # greedy drafts are one-hot: no q handed over
     sampled = drafts[0]
     assert len(sampled) == 2 and probs["sampled"].shape == (2, 384)
     for j in range(2):
@@ -155,7 +158,7 @@ def test_a_proposals_q_is_the_drafts_softmax_at_the_request_temperature(llama_pa
     with torch.no_grad():
         first = int(model(torch.tensor([PROMPT])).logits[0, -1].argmax())
         second = int(model(torch.tensor([[*PROMPT, first]])).logits[0, -1].argmax())
-    assert drafts[1] == [first, second]
+    assert drafts[1] == drafts[2] == [first, second]
 
 
 def test_a_mixed_batch_keeps_greedy_output_and_reproduces_seeded_samples(llama_path, noisy_draft):

@@ -20,7 +20,7 @@ from tokenmill.sample.rejection_sampler import target_probs
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts"]
+__all__ = ["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"]
 
 
 @dataclass
@@ -55,13 +55,23 @@ class DraftSampler(Sampler):
         return SamplerOutput(sampled_token_ids=drafts.token_ids, logprobs=None)
 
 
+def samples_drafts(params: SamplingParams | None) -> bool:
+    """Whether a request's drafts are drawn from ``q`` (else: the argmax, a one-hot ``q``).
+
+    Not for a request with structured outputs: the scheduler cuts its drafts at the first one
+    its grammar forbids, a cut that depends on the drafts' values, after which the target draws
+    from ``p`` instead of the residual; with a one-hot ``q`` that is the same distribution
+    (``p`` is zero on the forbidden draft), with a sampled one it is not."""
+    return params is not None and not params.is_greedy and params.structured_outputs is None
+
+
 def draft_sampling_params(params: SamplingParams | None, position: int) -> SamplingParams:
     """The draft's parameters for a request's drafts proposed after ``position`` tokens: the
     request's temperature and truncation (none of its penalties, biases or stop rules: ``q``
     may be any distribution, so long as the rejection sampler is told it). A seeded request's
     draft seed mixes in ``position``, so the drafts of successive steps draw fresh numbers
     while the output stays reproducible."""
-    if params is None or params.is_greedy:
+    if params is None or not samples_drafts(params):
         return SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     seed = None if params.seed is None else (params.seed * 1_000_003 + position) % (1 << 63)
     return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,

@@ -34,7 +34,7 @@ from tokenmill.plugin_api import (
     Worker,
     WorkerSpec,
 )
-from tokenmill.sample.draft_sampler import DraftSampler, draft_sampling_params
+from tokenmill.sample.draft_sampler import DraftSampler, draft_sampling_params, samples_drafts
 
 
 @dataclass
@@ -84,8 +84,7 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {}
         self._probs = {}
-        self._sampled = {r.req_id for r in requests if r.sampling_params is not None
-                         and not r.sampling_params.is_greedy}
+        self._sampled = {r.req_id for r in requests if samples_drafts(r.sampling_params)}
         first = self._catch_up(requests, drafts)
         active = [r for r in requests if r.req_id in drafts]
         for step in range(1, self.k):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tokenmill.plugin_api import DraftRequest, ProposerContext, SpeculativeConfig, TargetHiddenStates
-from tokenmill.sample.draft_sampler import draft_sampling_params, sample_drafts
+from tokenmill.sample.draft_sampler import draft_sampling_params, sample_drafts, samples_drafts
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill_spec_eagle.checkpoint import read_head_weights
 from tokenmill_spec_eagle.head import EagleHead, LayerKV
@@ -127,7 +127,7 @@ class EagleProposer:
         """One draft per row of ``hidden`` (request ``requests[i]``): the argmax for greedy
         requests, as before; drawn from ``q`` for sampled ones, whose ``q`` rows are kept."""
         tokens = self._draft_tokens(hidden)
-        sampled = [i for i, r in enumerate(requests) if r.sampling_params is not None and not r.sampling_params.is_greedy]
+        sampled = [i for i, r in enumerate(requests) if samples_drafts(r.sampling_params)]
         if not sampled:
             return tokens
         params = [draft_sampling_params(requests[i].sampling_params, 0) for i in sampled]
