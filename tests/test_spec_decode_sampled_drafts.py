@@ -30,9 +30,9 @@ TEMPERATURE, TOP_K = 1.0, 8
 NUM_SAMPLES = 3000
 # Chi-square quantile for a 1e-4 false-alarm chance (Wilson-Hilferty: z = 3.719 is the normal's
 # 1 - 1e-4 quantile). The seeds are fixed, so the test is deterministic; a correct sampler
-# would fail it for 1 in 10^4 choices of seeds. Accepting every draft (the planted bug) moves
-# about 0.4 of the second token's mass (the total variation between the draft's q and the
-# target's p here), a chi-square in the thousands.
+# would fail it for 1 in 10^4 choices of seeds (measured: 34 against a bound of 81). The planted
+# bugs land far above it (accepting every draft moves about 0.4 of the second token's mass,
+# the total variation between the draft's q and the target's p here).
 Z_FALSE_ALARM = 3.719
 
 
@@ -122,14 +122,29 @@ def test_sampled_drafts_keep_the_targets_distribution(llama_path, noisy_draft):
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-def test_the_check_catches_accepting_every_sampled_draft(llama_path, noisy_draft, monkeypatch):
-    import tokenmill.worker.spec_decode as verify
+def _accept_every_draft(logits, metadata, drafts, generators, draft_probs=None):
     from tokenmill.sample.rejection_sampler import RejectionSamplerOutput
 
-    def accept_every_draft(logits, metadata, drafts, generators, draft_probs=None):
-        return RejectionSamplerOutput([[*d, 0] for d in drafts], torch.zeros(logits.shape[0], dtype=torch.int64))
+    return RejectionSamplerOutput([[*d, 0] for d in drafts], torch.zeros(logits.shape[0], dtype=torch.int64))
 
-    monkeypatch.setattr(verify, "rejection_sample", accept_every_draft)
+
+def _a_sharper_q(logits, metadata, drafts, generators, draft_probs=None):
+    """Verify with ``q**2`` renormalised instead of the ``q`` the drafts came from."""
+    from tokenmill.sample.rejection_sampler import rejection_sample
+
+    if draft_probs is not None:
+        draft_probs = draft_probs**2 / (draft_probs**2).sum(-1, keepdim=True).clamp(min=1e-30)
+    return rejection_sample(logits, metadata, drafts, generators, draft_probs)
+
+
+@pytest.mark.parametrize("bug", [_accept_every_draft, _a_sharper_q])
+def test_the_check_catches_a_planted_bug(llama_path, noisy_draft, monkeypatch, bug):
+    """Accepting every draft gives a chi-square near 7700 here, verifying with a wrong ``q``
+    near 900 (the bound is 81). Dropping ``q`` (every draft taken as one-hot) is no bug: that
+    rule is exact whatever the drafts' law, only it accepts fewer."""
+    import tokenmill.worker.spec_decode as verify
+
+    monkeypatch.setattr(verify, "rejection_sample", bug)
     statistic, bound = _first_two_statistic(_first_three_tokens(_speculating(llama_path, noisy_draft)), llama_path)
     assert statistic > bound
 
