@@ -54,6 +54,18 @@ def hf_eagle_drafts(target: Path, head: Path, context: list[int], k: int) -> lis
     """The ``k`` greedy drafts after ``context``, with transformers: the target's final hidden
     states of the whole context, the head as transformers' LlamaDecoderLayer (its input norm an
     identity) recomputed over the whole sequence at each draft, the target's lm_head."""
+    return [int(row.argmax()) for row in _hf_eagle_logits(target, head, context, k, None)]
+
+
+def hf_eagle_draft_logits(target: Path, head: Path, context: list[int], drafts: list[int]) -> torch.Tensor:
+    """``[len(drafts), V]``: the logits each of ``drafts`` is drawn from, the head fed ``drafts``
+    (as :func:`hf_eagle_drafts` computes them)."""
+    return torch.stack(_hf_eagle_logits(target, head, context, len(drafts), drafts))
+
+
+def _hf_eagle_logits(target: Path, head: Path, context: list[int], k: int,
+                     given: list[int] | None) -> list[torch.Tensor]:
+    """The head's logits at each of ``k`` draft steps, each step's token the argmax or ``given``'s."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -75,18 +87,18 @@ def hf_eagle_drafts(target: Path, head: Path, context: list[int], k: int) -> lis
         ids = torch.tensor([context])
         target_hidden = model.model(ids).last_hidden_state[0]
         inputs = fc(torch.cat([embed(ids[0, 1:]), target_hidden[:-1]], dim=-1))
-        drafts: list[int] = []
-        for _ in range(k):
+        logits: list[torch.Tensor] = []
+        for step in range(k):
             positions = torch.arange(len(inputs))[None]
             causal = torch.full((len(inputs), len(inputs)), float("-inf")).triu(1)[None, None]
             out = layer(inputs[None], attention_mask=causal, position_embeddings=rotary(inputs[None], positions),
                         position_ids=positions)
             out = out[0] if isinstance(out, tuple) else out
             last = out[0, -1:]
-            token = int(model.lm_head(last).argmax())
-            drafts.append(token)
+            logits.append(model.lm_head(last)[0])
+            token = int(logits[-1].argmax()) if given is None else given[step]
             inputs = torch.cat([inputs, fc(torch.cat([embed(torch.tensor([token])), last], dim=-1))])
-    return drafts
+    return logits
 
 
 def _read(head: Path) -> dict[str, torch.Tensor]:

@@ -7,8 +7,10 @@ fails the start."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from eagle_heads import build_eagle_head, hf_eagle_drafts
+import torch
+from eagle_heads import build_eagle_head, hf_eagle_draft_logits, hf_eagle_drafts
 from test_spec_decode import (
     MAX_NEW,
     SEEDS,
@@ -23,7 +25,8 @@ from test_spec_decode import (
 )
 from tiny_models import hf_greedy
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode.proposer import DraftRequest, TargetHiddenStates
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,33 @@ def test_sampled_tokens_keep_their_distribution_with_eagle(llama_path, eagle_hea
     llm = _engine(llama_path, _eagle(eagle_head, 1), max_num_seqs=64, num_kv_blocks=None, kv_cache_memory="64MiB")
     assert _total_variation(_second_tokens(llm), plain_second_tokens) < TV_BOUND
     assert llm.engine.core.make_stats().spec_decode_num_draft_tokens >= SEEDS
+
+
+def test_sampled_eagle_drafts_come_with_the_heads_softmax_at_the_request_temperature(llama_path, eagle_head):
+    """A sampled request's drafts are drawn from, and handed over with, the softmax at its
+    temperature and top-k of transformers' head logits; a greedy one beside it keeps the argmax."""
+    from transformers import AutoModelForCausalLM
+
+    llm = _engine(llama_path, _eagle(eagle_head, 2))
+    proposer = llm.engine.core.executor.collective_rpc(lambda worker: worker.runner.spec_decode.proposer)[0]
+    context = _repetitive_prompts()[1]
+    with torch.no_grad():
+        hidden = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).model(
+            torch.tensor([context])).last_hidden_state[0]
+    sampled = SamplingParams(temperature=0.8, top_k=8, seed=5)
+    for req_id in ("sampled", "greedy"):
+        proposer.observe([TargetHiddenStates(req_id, 0, hidden[:-1])])
+    drafts = proposer.propose([DraftRequest("sampled", np.array(context), 2, sampled),
+                               DraftRequest("greedy", np.array(context), 2, SamplingParams(temperature=0.0))])
+    probs = proposer.take_draft_probs()
+    assert set(probs) == {"sampled"}
+    assert drafts[1] == hf_eagle_drafts(llama_path, eagle_head, context, 2)
+    logits = hf_eagle_draft_logits(llama_path, eagle_head, context, drafts[0])
+    for j, row in enumerate(logits):
+        top = row.topk(8)
+        expected = torch.zeros_like(row).index_put_((top.indices,), torch.softmax(top.values / 0.8, -1))
+        assert probs["sampled"][j].cpu() == pytest.approx(expected, abs=1e-4)
+        assert expected[drafts[0][j]] > 0
 
 
 def test_a_head_of_another_hidden_size_fails_at_start(llama_path, tmp_path):

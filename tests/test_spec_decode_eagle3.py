@@ -128,3 +128,31 @@ def test_the_model_plugins_record_the_layers_transformers_computes(arch, llama_p
     expected, _ = target_layer_states(path, prompt, layer_ids)
     assert taken[0].shape == expected.shape
     torch.testing.assert_close(taken[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_eagle3_drafts_are_drawn_inside_the_draft_vocabulary(llama_path, eagle3_head):
+    """A sampled request's ``q`` lives on the target tokens the head's draft vocabulary maps to
+    (``d2t``), at most top-k of them, and sums to one."""
+    from tokenmill_spec_eagle.checkpoint import read_head_weights
+
+    d2t = read_head_weights(str(eagle3_head), shared_prefixes=())["d2t"].long()
+    reachable = torch.zeros(384, dtype=torch.bool)
+    reachable[torch.arange(len(d2t)) + d2t] = True
+    llm = _engine(llama_path, {**_eagle3(eagle3_head, 2), "min_acceptance_rate": 0})
+    proposer = llm.engine.core.executor.collective_rpc(lambda worker: worker.runner.spec_decode.proposer)[0]
+    handed: list[torch.Tensor] = []
+    take = proposer.take_draft_probs
+
+    def recording():
+        probs = take()
+        handed.extend(probs.values())
+        return probs
+
+    proposer.take_draft_probs = recording
+    params = SamplingParams(temperature=0.9, top_k=20, seed=4, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in _repetitive_prompts()[:4]], params)
+    assert handed
+    for q in handed:
+        q = q.cpu()
+        assert q.sum(-1) == pytest.approx(torch.ones(len(q)), abs=1e-5)
+        assert not q[:, ~reachable].any() and ((q > 0).sum(-1) <= 20).all()

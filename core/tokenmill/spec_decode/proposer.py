@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 @dataclass
 class DraftRequest:
     """One request to propose for: ``token_ids`` are its prompt and output so far (the token
-    sampled this step last), a read-only view valid during the call."""
+    sampled this step last), a read-only view valid during the call. ``sampling_params``
+    (its ``SamplingParams``) let a proposer draw drafts at the request's temperature."""
 
     req_id: str
     token_ids: np.ndarray
     num_drafts: int  # at most this many
+    sampling_params: Any = None
 
 
 @dataclass
@@ -72,7 +74,14 @@ class Proposer(Protocol):
     hidden states of those target layers instead of the final ones: the runner asks the
     target model for them (``AuxHiddenStatesCausalLM.set_aux_hidden_state_layers``; layer
     ``i`` is the residual stream entering decoder layer ``i``), and a target that cannot
-    record them fails the start."""
+    record them fails the start.
+
+    A proposer that samples its drafts (rather than taking a point guess) also has a
+    ``take_draft_probs() -> dict[str, torch.Tensor]`` method, called right after ``propose``:
+    per request whose drafts were sampled, the distributions ``q`` ``[num_drafts, V]`` they
+    were drawn from, row ``j`` the one of draft ``j``. The rejection sampler then accepts with
+    ``min(1, p/q)``; a request left out is taken to have drafted with ``q`` one-hot on its draft
+    (greedy drafts, n-gram lookup)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Draft tokens per request, in order (an empty list: no guess)."""

@@ -28,6 +28,8 @@ class SpecDecodeRunner:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.drafts: dict[str, list[int]] = {}  # this step's, by request
+        # the distributions sampled drafts were drawn from, by request: (drafts, q [k, V])
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def place_drafts(self, batch: InputBatch, drafts: dict[str, list[int]]) -> None:
         """Write each request's drafts after its last token, where the step's inputs read them
@@ -41,6 +43,8 @@ class SpecDecodeRunner:
     def forget(self, req_ids: set[str]) -> None:
         if req_ids:
             self.proposer.forget(req_ids)
+            for req_id in req_ids:
+                self.draft_probs.pop(req_id, None)
 
     def verify(self, runner: ModelRunner, inputs: StepInputs, hidden: torch.Tensor, mask: np.ndarray,
                output: ModelRunnerOutput, grammar: GrammarBitmask | None = None) -> np.ndarray:
@@ -59,7 +63,8 @@ class SpecDecodeRunner:
         raw = runner.compute_logits(hidden, torch.from_numpy(positions).to(runner.device)).float()
         metadata = _position_metadata(runner, states, drafts)
         logits = Sampler.apply_logits_processors(_masked_by_grammar(raw.clone(), grammar, states, drafts), metadata)
-        result = rejection_sample(logits, metadata, drafts, [s.generator for s in states])
+        q = self._verified_draft_probs(states, drafts, logits)
+        result = rejection_sample(logits, metadata, drafts, [s.generator for s in states], q)
         logprob_lists = None
         if metadata.max_num_logprobs is not None:
             logprob_lists = gather_logprobs(compute_logprobs(raw), result.position_tokens,
@@ -103,12 +108,40 @@ class SpecDecodeRunner:
             num_tokens = int(batch.num_tokens[row])
             room = batch.max_model_len - num_tokens
             if room > 0:
-                requests.append(DraftRequest(req_id, batch.token_ids[row, :num_tokens], min(self.k, room)))
+                requests.append(DraftRequest(req_id, batch.token_ids[row, :num_tokens], min(self.k, room),
+                                             batch.states[row].sampling_params))
         if not requests:
             return
         for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
+            self.draft_probs.pop(request.req_id, None)
             if draft:
                 output.spec_token_ids[request.req_id] = [int(t) for t in draft[: request.num_drafts]]
+        take = getattr(self.proposer, "take_draft_probs", None)
+        if take is not None:
+            for req_id, q in take().items():
+                if req_id in output.spec_token_ids:
+                    self.draft_probs[req_id] = (output.spec_token_ids[req_id], q)
+
+    def _verified_draft_probs(self, states: list[CachedRequestState], drafts: list[list[int]],
+                              logits: torch.Tensor) -> torch.Tensor | None:
+        """``q`` ``[N, V]`` over the verified positions (the rows of each request's drafts,
+        then a zero row for its last position), or None where no draft was sampled: the
+        rejection sampler then takes every draft as one-hot. A request whose drafts came
+        without ``q`` (greedy) gets the one-hot on its drafts."""
+        held = [self.draft_probs.pop(s.req_id, None) for s in states]
+        if all(h is None for h in held):
+            return None
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        first = 0
+        for draft, entry in zip(drafts, held, strict=True):
+            rows = torch.arange(first, first + len(draft), device=logits.device)
+            if entry is not None and entry[0][: len(draft)] == draft:
+                width = min(q.shape[1], entry[1].shape[1])
+                q[first : first + len(draft), :width] = entry[1][: len(draft), :width].to(q.device)
+            else:
+                q[rows, torch.tensor(draft, dtype=torch.int64, device=logits.device)] = 1.0
+            first += len(draft) + 1
+        return q
 
 
     def _held_hidden_states(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor,

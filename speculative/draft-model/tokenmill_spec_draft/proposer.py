@@ -1,4 +1,4 @@
-"""A draft model run greedily ``k`` steps per target step, with a KV cache of its own.
+"""A draft model run ``k`` steps per target step, with a KV cache of its own.
 
 The draft runs in a :class:`~tokenmill.plugin_api.Worker` of its own (its own weights, its own
 block table over its own KV tensors), driven with the same step diffs the engine drives the
@@ -7,8 +7,12 @@ tokens the target accepted since), samples the first draft, then decodes ``k - 1
 Where the target rejected drafts, the draft's KV is valid up to the context's common prefix
 with what the draft computed, and recomputed from there.
 
-Greedy drafts have a one-hot ``q``, for which the rejection sampler's rule keeps the target's
-distribution exact at any temperature.
+Drafts are drawn at each request's sampling parameters (``draft_sampling_params``: its
+temperature, top-k, top-p, min-p; a seed of its own per step for a seeded request) by a
+:class:`~tokenmill.sample.draft_sampler.DraftSampler` in the draft's runner, which keeps the
+distribution ``q`` each draft came from; ``take_draft_probs`` hands those to the rejection
+sampler, which accepts with ``min(1, p/q)``. A greedy request drafts the argmax (a one-hot
+``q``, left out of ``take_draft_probs``), as before.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from tokenmill import SamplingParams
 from tokenmill.plugin_api import (
     CachedRequestData,
     DraftRequest,
@@ -30,8 +34,7 @@ from tokenmill.plugin_api import (
     Worker,
     WorkerSpec,
 )
-
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+from tokenmill.sample.draft_sampler import DraftSampler, draft_sampling_params, samples_drafts
 
 
 @dataclass
@@ -55,12 +58,16 @@ class DraftModelProposer:
         spec = WorkerSpec(model_path=config.model, config=engine_config, dtype=dtype,
                           max_model_len=context.max_model_len, plugins=())
         self.worker = Worker(spec, plugins=context.plugins, platform=context.platform)
+        self.sampler = DraftSampler()
+        self.worker.runner.sampler = self.sampler  # drafts drawn from q, and q kept
         blocks_per_request = -(-(context.max_model_len + self.k) // context.block_size)
         num_blocks = int(config.options.get("num_kv_blocks", blocks_per_request * min(context.max_num_seqs, 16)))
         self.worker.allocate_kv_cache(num_blocks)
         self.free_blocks = list(range(num_blocks))
         self.states: dict[str, _DraftState] = {}
         self._finished: set[str] = set()  # to drop from the draft's batch with the next step
+        self._probs: dict[str, list[torch.Tensor]] = {}  # this call's q rows of sampled drafts, by request
+        self._sampled: set[str] = set()  # this call's requests that draft by sampling
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -69,8 +76,15 @@ class DraftModelProposer:
                 self.free_blocks.extend(state.blocks)
                 self._finished.add(req_id)
 
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        """The last call's ``q`` ``[num_drafts, V]`` per request whose drafts were sampled."""
+        probs, self._probs = self._probs, {}
+        return {req_id: torch.stack(rows) for req_id, rows in probs.items() if req_id in self._sampled and rows}
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {}
+        self._probs = {}
+        self._sampled = {r.req_id for r in requests if samples_drafts(r.sampling_params)}
         first = self._catch_up(requests, drafts)
         active = [r for r in requests if r.req_id in drafts]
         for step in range(1, self.k):
@@ -84,7 +98,9 @@ class DraftModelProposer:
             state = self.states.get(request.req_id)
             if state is not None and request.req_id in first:
                 state.computed = [*request.token_ids.tolist(), *drafts[request.req_id][:-1]]
-        return [drafts.get(r.req_id, []) for r in requests]
+        # a draft whose q was lost (a draft row that failed to sample) ends its request's drafts
+        return [drafts.get(r.req_id, [])[: len(self._probs.get(r.req_id, ())) if r.req_id in self._sampled else None]
+                for r in requests]
 
     def _catch_up(self, requests: Sequence[DraftRequest], drafts: dict[str, list[int]]) -> set[str]:
         """Re-enter every request with its context, its valid draft KV counted as computed,
@@ -104,7 +120,8 @@ class DraftModelProposer:
                 continue
             state.blocks += [self.free_blocks.pop() for _ in range(max(0, needed))]
             valid = min(_common_prefix(state.computed, tokens), len(tokens) - 1)
-            new.append(NewRequestData(request.req_id, tokens, _GREEDY, list(state.blocks), valid))
+            params = draft_sampling_params(request.sampling_params, len(tokens))
+            new.append(NewRequestData(request.req_id, tokens, params, list(state.blocks), valid))
             scheduled[request.req_id] = len(tokens) - valid
         self._run(SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=scheduled,
                                   total_num_scheduled_tokens=sum(scheduled.values()),
@@ -113,8 +130,16 @@ class DraftModelProposer:
 
     def _run(self, step: SchedulerOutput, drafts: dict[str, list[int]]) -> None:
         self.worker.execute_model(step)
-        for req_id, tokens in self.worker.sample_tokens(None).sampled.items():
+        self.sampler.last_probs = None
+        sampled = self.worker.sample_tokens(None).sampled
+        probs = self.sampler.last_probs
+        # q's rows follow the runner's sampled rows, as ``sampled`` does unless a row failed
+        probs_known = probs is not None and len(probs) == len(sampled)
+        for i, (req_id, tokens) in enumerate(sampled.items()):
             drafts.setdefault(req_id, []).extend(tokens)
+            held = self._probs.setdefault(req_id, [])
+            if probs_known and probs is not None and len(held) == len(drafts[req_id]) - 1:
+                held.append(probs[i])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

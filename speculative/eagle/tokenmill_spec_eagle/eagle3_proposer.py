@@ -1,5 +1,5 @@
 """EAGLE-3 drafting: :class:`~tokenmill_spec_eagle.proposer.EagleProposer`'s bookkeeping (head
-KV per request, catch-up over the target's new positions, ``k`` greedy steps) with the EAGLE-3
+KV per request, catch-up over the target's new positions, ``k`` draft steps) with the EAGLE-3
 head (:mod:`tokenmill_spec_eagle.eagle3_head`): the target hands three of its layers' hidden
 states (``target_layer_ids``, which the runner asks the target model to record), ``fc`` folds
 them into one as they arrive, and drafts come from the head's own lm_head over its draft
@@ -21,7 +21,7 @@ from tokenmill_spec_eagle.checkpoint import read_head_weights
 from tokenmill_spec_eagle.eagle3_head import Eagle3Head
 from tokenmill_spec_eagle.proposer import EagleProposer
 
-_UNUSED = ("t2d",)  # the target -> draft mask: greedy drafting reads d2t only
+_UNUSED = ("t2d",)  # the target -> draft mask: drafting reads d2t only
 
 
 class Eagle3Proposer(EagleProposer):
@@ -66,6 +66,15 @@ class Eagle3Proposer(EagleProposer):
 
     def _draft_tokens(self, hidden: torch.Tensor) -> list[int]:
         return [int(t) for t in self.head.draft_tokens(hidden).tolist()]
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits over its draft vocabulary, placed at their target tokens (``d2t``);
+        the target tokens outside it are impossible drafts (-inf)."""
+        draft = self.head.lm_head(self.head.norm(hidden)).float()
+        d2t = self.head.d2t
+        logits = torch.full((len(hidden), self.vocab_size), float("-inf"), device=draft.device)
+        logits[:, torch.arange(len(d2t), device=d2t.device) + d2t] = draft
+        return logits
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         own = self.head.embed_tokens

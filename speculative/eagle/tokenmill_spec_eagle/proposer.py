@@ -1,13 +1,15 @@
 """EAGLE-1 drafting: the head reads the target's hidden states of the positions the target
 computed (``observe``, every step) and, when a request has sampled, catches its KV up with
-them, then proposes ``k`` tokens greedily, feeding its own output back as the next hidden state
-(the requests of a call together: one head call to catch up, one per draft step).
+them, then proposes ``k`` tokens, feeding its own output back as the next hidden state (the
+requests of a call together: one head call to catch up, one per draft step).
 
 The head at position ``i`` takes ``(embedding of token i+1, target hidden state at i)``, so
 it can run up to the position before the last token. Its KV of draft positions is dropped
 after proposing: the next call recomputes those positions from the target's real hidden
-states (rejected drafts never had any). Greedy drafts have a one-hot ``q``, for which the
-rejection sampler keeps the target's distribution exact at any temperature.
+states (rejected drafts never had any). A greedy request drafts the argmax (a one-hot ``q``);
+a sampled one draws each draft from the head's distribution at its temperature and truncation
+(:func:`~tokenmill.sample.draft_sampler.sample_drafts`, its own seed per step where the
+request is seeded) and ``take_draft_probs`` hands that ``q`` to the rejection sampler.
 
 A prefix-cache hit means the target computed no hidden state for the hit's positions: the
 head then starts at the first position it was given (its drafts see less context, the output
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 
 from tokenmill.plugin_api import DraftRequest, ProposerContext, SpeculativeConfig, TargetHiddenStates
+from tokenmill.sample.draft_sampler import draft_sampling_params, sample_drafts, samples_drafts
+from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill_spec_eagle.checkpoint import read_head_weights
 from tokenmill_spec_eagle.head import EagleHead, LayerKV
 
@@ -69,6 +73,7 @@ class EagleProposer:
         self.head: Any = self._load_head(config, context).to(device=context.device, dtype=context.dtype).eval()
         self.device, self.dtype = context.device, context.dtype
         self.states: dict[str, _HeadState] = {}
+        self._probs: dict[str, list[torch.Tensor]] = {}  # the last call's q rows of sampled drafts
 
     def _load_head(self, config: SpeculativeConfig, context: ProposerContext) -> torch.nn.Module:
         """The EAGLE-1 head of ``config.model``, checked against the target, on the CPU."""
@@ -103,9 +108,44 @@ class EagleProposer:
         """The greedy draft read from each of the head's output rows (EAGLE-1: the target's lm_head)."""
         return [int(t) for t in self.target.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()]
 
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, V]`` logits over the target's vocabulary the drafts are sampled from (EAGLE-1:
+        the target's lm_head)."""
+        return self.target.compute_logits(hidden)[:, : self.vocab_size].float()  # type: ignore[no-any-return]
+
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings the head reads (EAGLE-1: the target's)."""
         return self.embed(token_ids)  # type: ignore[no-any-return]
+
+    def take_draft_probs(self) -> dict[str, torch.Tensor]:
+        """The last call's ``q`` ``[num_drafts, V]`` per request whose drafts were sampled."""
+        probs, self._probs = self._probs, {}
+        return {req_id: torch.stack(rows) for req_id, rows in probs.items()}
+
+    def _next_drafts(self, hidden: torch.Tensor, requests: list[DraftRequest],
+                     generators: list[torch.Generator | None]) -> list[int]:
+        """One draft per row of ``hidden`` (request ``requests[i]``): the argmax for greedy
+        requests, as before; drawn from ``q`` for sampled ones, whose ``q`` rows are kept."""
+        tokens = self._draft_tokens(hidden)
+        sampled = [i for i, r in enumerate(requests) if samples_drafts(r.sampling_params)]
+        if not sampled:
+            return tokens
+        params = [draft_sampling_params(requests[i].sampling_params, 0) for i in sampled]
+        metadata = SamplingMetadata.from_params(
+            params=params, output_token_ids=[[] for _ in sampled], prompt_token_ids=[[] for _ in sampled],
+            generators={n: g for n, i in enumerate(sampled) if (g := generators[i]) is not None},
+            eos_token_ids=[None] * len(sampled), vocab_size=self.vocab_size, device=self.device)
+        drafts = sample_drafts(self._draft_logits(hidden[sampled]), metadata)
+        for n, (i, token) in enumerate(zip(sampled, drafts.token_ids.tolist(), strict=True)):
+            tokens[i] = int(token)
+            self._probs.setdefault(requests[i].req_id, []).append(drafts.probs[n])
+        return tokens
+
+    def _generator(self, request: DraftRequest) -> torch.Generator | None:
+        """A seeded sampled request's generator for this call's drafts (its draft seed mixes in
+        the position, so successive calls draw fresh numbers)."""
+        seed = draft_sampling_params(request.sampling_params, len(request.token_ids)).seed
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -130,10 +170,12 @@ class EagleProposer:
                  if (state := self.states.get(r.req_id)) is not None and self._is_ready(r, state)]
         if not ready:
             return drafts
+        self._probs = {}
         hidden = self._catch_up([(r, state) for _, r, state in ready])
+        generators = [self._generator(r) for _, r, _ in ready]
         active = list(range(len(ready)))
         for step in range(max(r.num_drafts for _, r, _ in ready)):
-            tokens = self._draft_tokens(hidden)
+            tokens = self._next_drafts(hidden, [ready[j][1] for j in active], [generators[j] for j in active])
             for j, token in zip(active, tokens, strict=True):
                 drafts[ready[j][0]].append(int(token))
             keep = [n for n, j in enumerate(active) if ready[j][1].num_drafts > step + 1]
