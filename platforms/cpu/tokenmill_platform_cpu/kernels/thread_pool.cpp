@@ -4,6 +4,10 @@
 // next unclaimed chunk (16); a thread claims a chunk by a compare-and-swap on it, so a claim is
 // valid only for the job it read, and the job's description (written before the word) stays
 // unchanged until every valid claim of it has finished.
+//
+// Each worker is pinned to a core of its own when it starts, and again when the binding's plan
+// changes (thread_binding.h: TOKENMILL_CPU_BIND, the platform's thread count); a region runs on
+// the plan's threads, and workers beyond them (started under an earlier plan) claim nothing.
 #include "thread_pool.h"
 
 #include <pybind11/pybind11.h>
