@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,19 @@ def packed_weights_budget() -> int:
     return parse_size(configured) if configured is not None else available_memory_bytes() // 4
 
 
+def _log_binding(pool: dict, threads: int) -> None:
+    """Where the kernels' regions run (kernels/thread_binding.h): binding never runs more threads
+    than it has cores to bind them to."""
+    if pool["threads"] < threads:
+        logger.warning("CPU platform: TOKENMILL_CPU_BIND=%s has cores for %d of the %d threads asked for: the "
+                       "kernels' regions run on %d", pool["binding"], pool["threads"], threads, pool["threads"])
+    if pool["cores"]:
+        logger.info("CPU platform: the kernels' threads on cores %s (TOKENMILL_CPU_BIND=%s; the first, the "
+                    "calling thread's, is not pinned)", pool["cores"], pool["binding"])
+    else:
+        logger.info("CPU platform: the kernels' threads not pinned (TOKENMILL_CPU_BIND=%s)", pool["binding"])
+
+
 class CpuPlatform:
     name = "cpu"
     device_type = "cpu"
@@ -63,6 +77,7 @@ class CpuPlatform:
     # more workers than cores they sleep between kernels, so an engine stepped on another
     # thread than the one that built it is 1.5-1.8x slower (the engine core warns).
     thread_affine = True
+    cgroup_root = Path("/sys/fs/cgroup")  # where the CPU quota is read (tests point it at a fake tree)
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -71,7 +86,7 @@ class CpuPlatform:
         return torch.float32
 
     def configure_process(self, config: EngineConfig) -> None:
-        threads = config.num_threads or int(os.environ.get("TOKENMILL_NUM_THREADS", 0)) or usable_cores()
+        threads = config.num_threads or int(os.environ.get("TOKENMILL_NUM_THREADS", 0)) or usable_cores(self.cgroup_root)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.info("CPU platform: %d torch threads", threads)
@@ -80,6 +95,7 @@ class CpuPlatform:
         if kernels is not None:  # without a compiler the torch reference ops run
             # the kernels' regions keep this count while the contention fallback lowers torch's
             kernels.set_pool_threads(threads)
+            _log_binding(kernels.thread_pool_stats(), threads)  # a malformed TOKENMILL_CPU_BIND fails here
             register_layer_ops("cpu", CpuLayerOps(kernels, packed_weights_budget()))
             register_sampling_kernels("cpu", CpuSamplingKernels(kernels))
 

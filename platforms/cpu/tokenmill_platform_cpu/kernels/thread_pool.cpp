@@ -4,10 +4,15 @@
 // next unclaimed chunk (16); a thread claims a chunk by a compare-and-swap on it, so a claim is
 // valid only for the job it read, and the job's description (written before the word) stays
 // unchanged until every valid claim of it has finished.
+//
+// Each worker is pinned to a core of its own when it starts, and again when the binding's plan
+// changes (thread_binding.h: TOKENMILL_CPU_BIND, the platform's thread count); a region runs on
+// the plan's threads, and workers beyond them (started under an earlier plan) claim nothing.
 #include "thread_pool.h"
 
 #include <pybind11/pybind11.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,10 +22,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <future>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "thread_binding.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -92,10 +101,15 @@ class ClaimPool {
   ClaimPool& operator=(const ClaimPool&) = delete;
 
   pid_t owner() const { return owner_; }
-  int workers() const { return static_cast<int>(workers_.size()); }
+  int workers() const { return static_cast<int>(handles_.size()); }
 
   void run(const Job& job, int threads) {
     std::lock_guard<std::mutex> one_caller(caller_);  // two engines' threads stepping at once take turns
+    threads = bound_threads(threads);
+    if (threads <= 1) {  // binding left one core
+      job.call(job.fn, job.begin, job.end);
+      return;
+    }
     if (gauge_.contended() && ++since_probe_ < kProbeEvery) {
       // the other cores are busy with other processes: one thread does it all, as torch does
       // meanwhile, but every kProbeEvery-th region still goes to the workers, to see when they
@@ -106,6 +120,7 @@ class ClaimPool {
     since_probe_ = 0;
     grow(threads - 1);
     job_ = job;
+    active_workers_.store(threads - 1, std::memory_order_relaxed);  // published with the word, as job_
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     const uint32_t generation = ++generation_;
@@ -135,22 +150,67 @@ class ClaimPool {
     }
   }
 
-  pybind11::dict stats() const {
+  pybind11::dict stats() {
+    std::lock_guard<std::mutex> one_caller(caller_);
+    bound_threads(pool_threads());  // the plan the next region gets (a bad TOKENMILL_CPU_BIND raises here)
     pybind11::dict out;
     out["workers"] = workers();
     out["contended"] = gauge_.contended();
     out["caller_share"] = gauge_.average();
     out["engagements"] = engagements_;
     out["fallback"] = fallback_;
-    out["threads"] = pool_threads();
+    out["threads"] = plan_.threads;
+    out["binding"] = thread_binding();
+    out["mask"] = as_list(plan_.mask);
+    out["cores"] = as_list(plan_.cores);
+    out["worker_cores"] = as_list(worker_cores_);
+    out["worker_tids"] = as_list(worker_tids_);
     return out;
   }
 
  private:
+  template <class T>
+  static pybind11::list as_list(const std::vector<T>& values) {
+    pybind11::list out;
+    for (const T& value : values) out.append(value);
+    return out;
+  }
+
+  // The threads a region runs on under the binding (thread_binding.h): planned again, and the
+  // workers pinned again, when the setting or the platform's count changed since the last plan.
+  int bound_threads(int threads) {
+    const uint64_t epoch = thread_binding_epoch();
+    if (epoch != plan_epoch_ || threads != planned_for_) {
+      plan_ = plan_binding(threads);
+      plan_epoch_ = epoch;
+      planned_for_ = threads;
+      for (int index = 0; index < workers(); ++index) pin_worker(index);
+    }
+    return plan_.threads;
+  }
+
+  // Worker `index` is thread index + 1 of a region (the caller is thread 0).
+  void pin_worker(int index) {
+    const size_t thread = static_cast<size_t>(index) + 1;
+    const int core = thread < plan_.cores.size() ? plan_.cores[thread] : -1;
+    const bool pinned = pin_thread(handles_[index], core, plan_.mask);
+    worker_cores_[index] = pinned && core >= 0 ? core : -1;
+  }
+
   void grow(int wanted) {
-    while (static_cast<int>(workers_.size()) < wanted) {
-      workers_.emplace_back([this] { worker_loop(); });
-      workers_.back().detach();  // lives as long as the process; never joined at exit
+    while (workers() < wanted) {
+      const int index = workers();
+      std::promise<int64_t> started;
+      std::future<int64_t> tid = started.get_future();
+      std::thread worker([this, index, seen = generation_, started = std::move(started)]() mutable {
+        started.set_value(static_cast<int64_t>(syscall(SYS_gettid)));
+        worker_loop(index, seen);
+      });
+      handles_.push_back(worker.native_handle());
+      worker.detach();  // lives as long as the process; never joined at exit
+      worker_tids_.push_back(tid.get());  // the kernel's id of it, for /proc/self/task/<tid>
+      worker_cores_.push_back(-1);
+      pin_worker(index);
     }
   }
 
@@ -195,11 +255,11 @@ class ClaimPool {
     }
   }
 
-  void worker_loop() {
-    uint32_t seen = generation_of(word_.load(std::memory_order_acquire));
+  // `seen`: the last job posted before this worker started.
+  void worker_loop(int index, uint32_t seen) {
     for (;;) {
       const uint32_t generation = wait_for_job(seen);
-      work(generation);
+      if (index < active_workers_.load(std::memory_order_relaxed)) work(generation);  // else: binding's spare
       seen = generation;
     }
   }
@@ -228,7 +288,13 @@ class ClaimPool {
   int64_t engagements_ = 0;
   static constexpr int kProbeEvery = 16;  // while contended: regions per region run on the pool
   int since_probe_ = 0;
-  std::vector<std::thread> workers_;
+  BindPlan plan_;
+  uint64_t plan_epoch_ = std::numeric_limits<uint64_t>::max();  // none yet
+  int planned_for_ = -1;
+  std::vector<pthread_t> handles_;  // the workers, detached
+  std::vector<int64_t> worker_tids_;
+  std::vector<int> worker_cores_;  // -1: not pinned
+  std::atomic<int> active_workers_{0};  // the current region's workers: the first ones
   std::mutex caller_;
   Job job_{};
   uint32_t generation_ = 0;
@@ -299,9 +365,15 @@ void bind_thread_pool(pybind11::module& m) {
       "The threads the kernels' regions run on, the calling one included (the platform's count)");
   m.def("pool_threads", &tokenmill::pool_threads, "The threads the kernels' regions run on");
   m.def(
+      "set_thread_binding", [](const std::string& setting) { tokenmill::set_thread_binding(setting); },
+      "Where the pool's workers run: 'auto', 'off' or cores like '0,2' (TOKENMILL_CPU_BIND; thread_binding.h)");
+  m.def("thread_binding", &tokenmill::thread_binding, "The binding setting in force");
+  m.def(
       "thread_pool_stats", [] { return tokenmill::current_pool().stats(); },
       "The claim pool: workers started, whether the contention fallback holds torch at one thread, the "
-      "caller's running share of the chunks, how often the fallback engaged");
+      "caller's running share of the chunks, how often the fallback engaged, the threads a region runs on, "
+      "the binding: the mask it was planned from, each thread's core (the caller's first, not pinned; empty: "
+      "none pinned), each worker's core (-1: not pinned) and kernel thread id");
   m.def(
       "thread_pool_observe", [](double caller_share) {
         tokenmill::current_pool().observe(caller_share, tokenmill::pool_threads());
