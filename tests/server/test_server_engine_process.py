@@ -91,6 +91,17 @@ def test_metrics_count_what_the_engine_process_did(ep, client):
     assert delta(after, before, "tokenmill:request_success_total", finished_reason="length") == 1
 
 
+def test_a_bad_constraint_is_a_400_from_the_api_process(ep, client):
+    """Validated at admission, before the request crosses to the engine; a good one still runs there."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=3,
+                                  extra_body={"structured_outputs": {"regex": "[a-z"}})
+    assert caught.value.body["param"] == "structured_outputs.regex", caught.value.body
+    choice = client.completions.create(model=MODEL, prompt="a", max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert choice.text in ("yes", "no")
+
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
     return build_moe_model(tmp_path_factory.mktemp("qwen2-moe"), "qwen2-moe")
