@@ -11,11 +11,21 @@ import asyncio
 import itertools
 import os
 import signal
+import threading
+from pathlib import Path
 
 import pytest
 from lora_models import ADAPTERS, build_adapter
+from server.fake_hub import FakeHub
 
-from tokenmill import AsyncLLM, EngineDeadError, InvalidRequestError, InvalidStateTransition, SamplingParams
+from tokenmill import (
+    AsyncLLM,
+    EngineDeadError,
+    InvalidRequestError,
+    InvalidStateTransition,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.lora import LoRAAdapterError, LoRAAdapterNotFoundError
 from tokenmill.lora.request import LoRARequest
@@ -24,6 +34,7 @@ from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory": "16MiB", "dtype": "float32", "enable_lora": True,
                "max_lora_rank": 8}
 HANG_GUARD_S = 60  # a failure that would otherwise hang the test ends it here instead
+HELD_REPO = "tiny-org/held-lora"  # the stand-in Hub sends its weights only once the test lets it
 
 
 class RecordingStatLogger:
@@ -45,8 +56,24 @@ def adapter(llama_path, tmp_path_factory) -> LoRARequest:
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path, stat_logger):
-    engine = AsyncLLM(str(llama_path), engine_process=True, stat_loggers=[stat_logger], **ENGINE_ARGS)
+def held_hub(adapter):
+    """A stand-in Hub serving the adapter's folder; its weights file waits for ``held_hub.gate``."""
+    hub = FakeHub(HELD_REPO, Path(adapter.lora_path), slow_files=frozenset({"adapter_model.safetensors"}),
+                  gate=threading.Event())
+    with hub:
+        try:
+            yield hub
+        finally:
+            hub.gate.set()  # a download still held must end, or the server cannot close
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path, stat_logger, held_hub, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:  # the engine process's environment, taken when it starts
+        env.setenv("HF_ENDPOINT", held_hub.url)
+        env.setenv("HF_HUB_OFFLINE", "0")
+        env.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf-home")))
+        engine = AsyncLLM(str(llama_path), engine_process=True, stat_loggers=[stat_logger], **ENGINE_ARGS)
     yield engine
     engine.shutdown()
 
@@ -92,6 +119,38 @@ def test_outputs_are_the_in_thread_modes(engine, llama_path, adapter):
     assert expected[-1] != expected[0]  # the adapter moved the output
     assert asyncio.run(finals(engine)) == expected
     assert _all_blocks_free(engine)
+
+
+def test_requests_go_on_while_an_adapter_is_read(engine, held_hub):
+    """The engine process reads an adapter off its step loop: while the Hub holds its weights,
+    other requests run to the end; once sent, the adapter is registered."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        load = asyncio.ensure_future(engine.add_lora(LoRARequest("held", 5, HELD_REPO)))
+        assert await _eventually(lambda: "adapter_model.safetensors" in held_hub.downloads)  # the read is held
+        finished = [await asyncio.wait_for(_collect(engine, {"prompt_token_ids": [3, 4, 5 + i]}, params), HANG_GUARD_S)
+                    for i in range(3)]
+        still_loading = not load.done()
+        held_hub.gate.set()
+        return finished, still_loading, await asyncio.wait_for(load, HANG_GUARD_S)
+
+    finished, still_loading, added = asyncio.run(run())
+    assert all(outputs[-1].finished for outputs in finished) and still_loading and added
+    assert [lora.lora_name for lora in engine.list_loras()] == ["held"]
+    asyncio.run(engine.remove_lora("held"))
+
+
+def test_a_bad_grammar_fails_in_the_caller_and_only_the_engine_compiles(engine):
+    """Constraints are checked here at admission (InvalidRequestError, a 400 when served); the
+    grammar compiler, with its token tables, is built only in the engine's process."""
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    good = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with pytest.raises(InvalidRequestError, match="regex"):
+        asyncio.run(_collect(engine, "Hi", bad))
+    outputs = asyncio.run(_collect(engine, "Hi", good))
+    assert outputs[-1].outputs[0].text in ("yes", "no")
+    assert engine.engine.structured.backend._compiler is None  # parsed here, never compiled here
 
 
 def test_the_stream_is_cumulative(engine):

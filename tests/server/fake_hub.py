@@ -5,7 +5,8 @@ calls: the repo info (``/api/models/<repo>/revision/<rev>``: its commit sha), th
 (``/api/models/<repo>/tree/<rev>``), and ``HEAD``/``GET`` of ``/<repo>/resolve/<rev>/<file>``
 with the ``X-Repo-Commit`` and ``ETag`` headers the client caches by. Files named in
 ``slow_files`` are sent in small pieces spread over ``throttle_seconds``: a slow network, so a
-test can make an adapter's load take long honestly (huggingface_hub really downloads it).
+test can make an adapter's load take long honestly (huggingface_hub really downloads it). With
+a ``gate``, they are sent only once it is set: a load held for as long as the test needs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the repo's one commit (40
 
 class FakeHub:
     def __init__(self, repo_id: str, folder: Path, slow_files: frozenset[str] = frozenset(),
-                 throttle_seconds: float = 0.0) -> None:
+                 throttle_seconds: float = 0.0, gate: threading.Event | None = None) -> None:
         self.repo_id, self.folder = repo_id, folder
+        self.gate = gate
         self.slow_files, self.throttle_seconds = slow_files, throttle_seconds
         self.files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
         self.downloads: list[str] = []  # the files GET sent, in order
@@ -100,6 +102,8 @@ class FakeHub:
                 if name not in hub.slow_files:
                     self.wfile.write(data)
                     return
+                if hub.gate is not None:
+                    hub.gate.wait()
                 pieces = 30
                 step = -(-len(data) // pieces)
                 for start in range(0, len(data), step):

@@ -18,7 +18,6 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, ProcessCollector, generate_latest
 from starlette.responses import Response
 
-from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads
 from tokenmill.metrics.logging_logger import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill_cli.server.settings import ServerSettings
@@ -57,11 +56,9 @@ class ServerMetrics:
         engine.admission.on_reject = self.reject
         if settings.enable_metrics:
             engine.add_stat_logger(PrometheusStatLogger(self.model_name, self.registry))
-            # read in the engine's thread, at most every 10 s; a model without experts stops it at once
-            # (an engine in its own process is not read from here: its counters stay there, for now)
-            if not engine.config.engine_process:
-                engine.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(engine.engine),
-                                                            self.model_name, self.registry))
+            # read where the engine steps, at most every 10 s and when it goes idle (an engine in its
+            # own process sends them with its stats); a model without experts stops it at once
+            engine.add_expert_load_logger(self.model_name, self.registry)
         if settings.log_stats:
             engine.add_stat_logger(LoggingStatLogger(settings.log_stats_interval))
 

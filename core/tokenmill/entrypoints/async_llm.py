@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
+from prometheus_client import CollectorRegistry
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
@@ -39,6 +41,7 @@ from tokenmill.entrypoints.engine_client import EngineProcessClient
 from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.lora.request import LoRARequest
+from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
@@ -291,6 +294,17 @@ class AsyncLLM:
         future: Future[Any] = Future()
         self._commands.put(("stat_logger", stat_logger, future))
         future.result(timeout)
+
+    def add_expert_load_logger(self, model_name: str, registry: CollectorRegistry, interval_s: float = 10.0) -> None:
+        """The Prometheus series of a MoE model's expert load (``ExpertLoadStatLogger``). The counters
+        are read where the engine steps: on its thread, or in its process, which sends them with its
+        stats; a model without experts stops the reads at once."""
+        self._check_alive()
+        if isinstance(self.engine, EngineProcessClient):
+            self.engine.forward_expert_loads(ExpertLoadStatLogger(None, model_name, registry), interval_s)
+            return
+        local = self._local
+        self.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(local), model_name, registry, interval_s))
 
     def shutdown(self) -> None:
         if isinstance(self.engine, EngineProcessClient):

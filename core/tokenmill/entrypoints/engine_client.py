@@ -149,6 +149,12 @@ class EngineProcessClient:
         self.stat_loggers.append(stat_logger)
         self.call("forward_stats", None)
 
+    def forward_expert_loads(self, stat_logger: StatLogger, interval_s: float) -> None:
+        """Have the engine read its MoE counters (``ExpertLoadReads``) and send them with its stats,
+        for ``stat_logger`` (an ``ExpertLoadStatLogger(None, ...)``) to take them from there."""
+        self.stat_loggers.append(stat_logger)
+        self.call("forward_expert_loads", interval_s)
+
     def shutdown(self) -> None:
         """Stop the loop and the process (killed if it does not stop in time); idempotent."""
         if self._stopping:
@@ -182,9 +188,14 @@ class EngineProcessClient:
         checkpoint = load_checkpoint(info.path, plugins, detect_platform(plugins), getattr(torch, info.dtype),
                                      tokenizer=self.config.tokenizer)
         self.tokenizer = checkpoint.tokenizer
-        structured = StructuredOutputManager.from_plugins(plugins, self.config.structured_outputs_backend,
+        # Validation at admission needs the backend here: a bad schema, regex or grammar is a 400
+        # from this process, before the request crosses over. The backend is built lazily, once, on
+        # the first constrained request, and only parses (tokenizer-free); the costly part, the
+        # compiler's token tables, is built only where grammars compile: in the engine's process.
+        self.structured = StructuredOutputManager.from_plugins(plugins, self.config.structured_outputs_backend,
                                                           checkpoint.tokenizer, info.vocab_size, info.stop_token_ids)
-        self.input_processor = build_input_processor(checkpoint, info, plugins, self.config, structured.validate)
+        self.input_processor = build_input_processor(checkpoint, info, plugins, self.config,
+                                                     self.structured.validate)
 
     def _receive(self) -> None:
         try:

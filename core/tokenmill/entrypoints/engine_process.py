@@ -14,16 +14,20 @@ Messages are pickled tuples. Commands (API -> engine): ``(call_id, name, payload
   ``("failed", exception_record(exception))``;
 * ``("outputs", [RequestOutput], EngineState, [(SchedulerSnapshot, IterationStats)])`` after a
   step that produced something, and at least every ``HEARTBEAT_S`` (the API side's heartbeat);
-* ``("reply", call_id, ok, result or exception_record(exception))`` for every command;
+* ``("reply", call_id, ok, result or exception_record(exception))`` for every command (an
+  ``add_lora``'s once its adapter was read, on a side thread: the loop keeps stepping meanwhile);
 * ``("dead", description)`` when the loop raised: the process then exits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ from typing import Any
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.lora.request import LoRARequest
+from tokenmill.metrics.expert_load import ExpertLoadReads, engine_expert_loads
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 from tokenmill.outputs import RequestOutput
 
@@ -56,8 +62,14 @@ class _ForwardingStatLogger:
 
     def __init__(self) -> None:
         self.records: list[tuple[SchedulerSnapshot, IterationStats]] = []
+        self.expert_loads: ExpertLoadReads | None = None  # set by "forward_expert_loads"
 
     def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
+        # the MoE counters live on this process's device: read them here (when it is time) and
+        # send them along, for the API side's ExpertLoadStatLogger
+        loads = self.expert_loads.poll(scheduler) if self.expert_loads is not None else None
+        if loads is not None:
+            iteration = dataclasses.replace(iteration, expert_loads=loads)
         self.records.append((scheduler, iteration))
 
     def take(self) -> list[tuple[SchedulerSnapshot, IterationStats]]:
@@ -110,12 +122,15 @@ class _EngineLoop:
         self.last_sent = 0.0
         self.stopping = False
         self.parent = os.getppid()
+        # adapters read on side threads, waiting to be registered between steps: (call_id, request, adapter or error)
+        self.loaded_loras: queue.SimpleQueue[tuple[int, LoRARequest, Any]] = queue.SimpleQueue()
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "add": lambda payload: engine.add_prepared(*payload),
             "abort": self._abort, "abort_all": self._abort_all,
-            "add_lora": lambda request: engine.add_lora(request),
+            "add_lora": lambda request: engine.add_lora(request),  # nothing to read: see _start_lora_load
             "remove_lora": lambda name: engine.remove_lora(name),
             "forward_stats": self._forward_stats,
+            "forward_expert_loads": self._forward_expert_loads,
             "stop": self._stop,
         }
 
@@ -123,6 +138,7 @@ class _EngineLoop:
         while not self.stopping:
             busy = self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers()
             self._take_commands(wait_ms=0 if busy else _IDLE_POLL_MS)
+            self._register_loaded_loras()
             if self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers():
                 self.pending.extend(self.engine.step())
             self._flush()
@@ -138,12 +154,17 @@ class _EngineLoop:
             except zmq.Again:
                 return
             call_id, name, payload = pickle.loads(message)
+            if name == "add_lora" and self._start_lora_load(call_id, payload):
+                continue  # answered once read, by _register_loaded_loras
             try:
                 result, ok = self.handlers[name](payload), True
             except Exception as exc:  # the caller's to handle; the loop goes on
                 result, ok = exception_record(exc), False
-            self._flush(force=True)  # outputs an abort made go before its reply
-            self.outputs.send(pickle.dumps(("reply", call_id, ok, result)))
+            self._reply(call_id, ok, result)
+
+    def _reply(self, call_id: int, ok: bool, result: Any) -> None:
+        self._flush(force=True)  # outputs an abort made go before its reply
+        self.outputs.send(pickle.dumps(("reply", call_id, ok, result)))
 
     def _flush(self, force: bool = False) -> None:
         records = self.stats.take()
@@ -171,6 +192,45 @@ class _EngineLoop:
     def _forward_stats(self, _: None) -> None:
         if self.stats not in self.engine.stat_loggers:
             self.engine.stat_loggers.append(self.stats)
+
+    def _forward_expert_loads(self, interval_s: float) -> None:
+        self._forward_stats(None)
+        self.stats.expert_loads = ExpertLoadReads(lambda: engine_expert_loads(self.engine), interval_s)
+
+    # -- LoRA adapters: read off the step loop, as AsyncLLM's in-thread mode does ------
+    def _start_lora_load(self, call_id: int, request: LoRARequest) -> bool:
+        """Read ``request``'s adapter on a thread of its own (a large one, or one fetched from the
+        Hub, takes seconds; the loop keeps stepping); False if there is nothing to read (it is
+        registered already, or LoRA is off: the handler answers at once)."""
+        if self.engine.core.lora is None:
+            return False
+        known = self.engine.lora.adapters.get(request.lora_name)
+        if known is not None and known.lora_path == request.lora_path:
+            return False
+        threading.Thread(target=self._read_lora, args=(call_id, request), name="tokenmill-lora-load",
+                         daemon=True).start()
+        return True
+
+    def _read_lora(self, call_id: int, request: LoRARequest) -> None:
+        try:
+            adapter: Any = self.engine.lora.load_now(request)
+        except Exception as exc:
+            adapter = exc
+        self.loaded_loras.put((call_id, request, adapter))
+
+    def _register_loaded_loras(self) -> None:
+        while True:
+            try:
+                call_id, request, adapter = self.loaded_loras.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if isinstance(adapter, Exception):
+                    raise adapter
+                result, ok = self.engine.add_lora(request, adapter), True
+            except Exception as exc:
+                result, ok = exception_record(exc), False
+            self._reply(call_id, ok, result)
 
     def _stop(self, _: None) -> None:
         self.stopping = True

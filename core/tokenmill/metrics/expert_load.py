@@ -49,6 +49,33 @@ def loads_since(after: ExpertLoads, before: ExpertLoads) -> ExpertLoads:
             for layer, load in after.items()}
 
 
+class ExpertLoadReads:
+    """When to read the counters (``read``: :func:`engine_expert_loads` of the engine): on the
+    first step, then at most every ``interval_s``, and on the step that leaves the engine idle
+    (so a scrape after a burst sees all of it); never again once a read found no MoE layer.
+    Runs where the engine steps: its thread, or its own process (which sends what it read with
+    its stats, ``IterationStats.expert_loads``)."""
+
+    def __init__(self, read: Callable[[], ExpertLoads], interval_s: float = 10.0) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self._next_read = 0.0  # the first step reads
+        self._enabled = True
+
+    def poll(self, scheduler: SchedulerSnapshot) -> ExpertLoads | None:
+        """The counters if it is time to read them, else None."""
+        now = time.monotonic()
+        idle = scheduler.num_running == 0 and scheduler.num_waiting == 0
+        if not self._enabled or (now < self._next_read and not idle):
+            return None
+        self._next_read = now + self.interval_s
+        loads = self.read()
+        if not loads:
+            self._enabled = False
+            return None
+        return loads
+
+
 class ExpertLoadStatLogger:
     """Prometheus series of the expert load, refreshed at most every ``interval_s``:
 
@@ -57,14 +84,15 @@ class ExpertLoadStatLogger:
     * ``tokenmill:moe_expert_load_imbalance{layer}``: max over mean tokens per expert over
       the last interval that routed any.
 
-    ``read`` returns the current counters (:func:`engine_expert_loads` of the engine); a
-    model whose first read finds no MoE layer is not read again."""
+    ``read`` returns the current counters (:func:`engine_expert_loads` of the engine), read
+    when :class:`ExpertLoadReads` says; a model whose first read finds no MoE layer is not
+    read again. ``read=None``: the counters come with the records instead
+    (``IterationStats.expert_loads``, filled by an engine in its own process)."""
 
-    def __init__(self, read: Callable[[], ExpertLoads], model_name: str, registry: CollectorRegistry = REGISTRY,
-                 interval_s: float = 10.0) -> None:
-        self.read = read
+    def __init__(self, read: Callable[[], ExpertLoads] | None, model_name: str,
+                 registry: CollectorRegistry = REGISTRY, interval_s: float = 10.0) -> None:
+        self.reads = ExpertLoadReads(read, interval_s) if read is not None else None
         self.model = model_name
-        self.interval_s = interval_s
         mode: Literal["livemax"] = "livemax"
         self.tokens = Counter("tokenmill:moe_expert_tokens", "Tokens routed to each expert, per MoE layer",
                               ["model_name", "layer", "expert"], registry=registry)
@@ -72,18 +100,13 @@ class ExpertLoadStatLogger:
                                "Max over mean tokens per expert in the last interval, per MoE layer",
                                ["model_name", "layer"], registry=registry, multiprocess_mode=mode)
         self._last: ExpertLoads = {}
-        self._next_read = 0.0  # the first step reads
-        self._enabled = True
 
     def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
-        now = time.monotonic()
-        if not self._enabled or now < self._next_read:
-            return
-        self._next_read = now + self.interval_s
-        loads = self.read()
-        if not loads:
-            self._enabled = False
-            return
+        loads = self.reads.poll(scheduler) if self.reads is not None else iteration.expert_loads
+        if loads:
+            self._publish(loads)
+
+    def _publish(self, loads: ExpertLoads) -> None:
         for layer, load in loads_since(loads, self._last).items():
             for expert, tokens in enumerate(load):
                 if tokens > 0:

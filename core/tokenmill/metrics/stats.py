@@ -77,6 +77,9 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     num_aborted: int = 0
+    # MoE layer -> tokens routed to each expert, since start: filled only by an engine in its own
+    # process, when it read its counters this step (``ExpertLoadReads``), to carry them to the API side
+    expert_loads: dict[str, list[int]] | None = None
 
 
 @dataclass
