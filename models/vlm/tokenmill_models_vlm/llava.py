@@ -8,21 +8,21 @@ the prompt. The language model is the one registered for the text config's archi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from tokenmill.layers import ModelBuildContext, load_weight
+from tokenmill.layers import ModelBuildContext
 from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_vlm.clip import ACTIVATIONS, CLIPVisionTower
+from tokenmill_models_vlm.composite_weights import load_composite_weights
 from tokenmill_models_vlm.language_model import build_language_model
 
 # transformers 5 names (model.vision_tower...) -> the checkpoint names this model uses
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
             ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
-_LANGUAGE = "language_model."
 
 
 class LlavaProjector(nn.Module):
@@ -82,23 +82,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's tensors go to its own ``load_weights``; the tower's and the
         projector's load here (the tower's unused layers are skipped)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
         unused = tuple(f"vision_tower.{p}" for p in self.vision_tower.unused_prefixes)
-
-        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _canonical(name)
-                if name.startswith(_LANGUAGE):
-                    yield name.removeprefix(_LANGUAGE), tensor
-                elif not name.startswith(unused):
-                    if name not in params:
-                        raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-                    load_weight(params[name], tensor)
-                    loaded.add(name)
-
-        loaded |= {_LANGUAGE + name for name in self.language_model.load_weights(language_weights())}
-        return loaded
+        return load_composite_weights(self, self.language_model, weights, _canonical, skipped=unused)
 
 
 def _canonical(name: str) -> str:

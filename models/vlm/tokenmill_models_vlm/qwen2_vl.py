@@ -11,15 +11,16 @@ model computes for each prompt (:meth:`mrope_prompt_positions`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.layers import ModelBuildContext, MRopeItem, load_weight, mrope_prompt_positions
+from tokenmill.layers import ModelBuildContext, MRopeItem, mrope_prompt_positions
 from tokenmill.plugin_api import AttentionMetadata
+from tokenmill_models_vlm.composite_weights import load_composite_weights
 from tokenmill_models_vlm.language_model import build_language_model
 from tokenmill_models_vlm.qwen2_5_vision import Qwen2_5VisionTransformer
 from tokenmill_models_vlm.qwen2_vision import Qwen2VisionTransformer
@@ -27,7 +28,6 @@ from tokenmill_models_vlm.qwen2_vision import Qwen2VisionTransformer
 # transformers 5 names first, then the original checkpoints' (visual.*, model.*, lm_head)
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
             ("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
-_LANGUAGE = "language_model."
 # The tensor names an item's processor output uses, by modality.
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}
@@ -94,22 +94,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's tensors go to its own ``load_weights``; the tower's load here."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _canonical(name)
-                if name.startswith(_LANGUAGE):
-                    yield name.removeprefix(_LANGUAGE), tensor
-                    continue
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-                load_weight(params[name], tensor)
-                loaded.add(name)
-
-        loaded |= {_LANGUAGE + name for name in self.language_model.load_weights(language_weights())}
-        return loaded
+        return load_composite_weights(self, self.language_model, weights, _canonical)
 
 
 def _canonical(name: str) -> str:
