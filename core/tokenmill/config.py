@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.kv_transfer.config import KVTransferConfig
+from tokenmill.multimodal.fetch import MediaFetchPolicy
 from tokenmill.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -152,6 +153,17 @@ class EngineConfig(BaseModel):
     allowed_local_media_path: str | None = Field(
         None, description="A folder whose images chat requests may name as file:// URLs (default: none)",
         json_schema_extra=cli(_MM))
+    media_fetch_timeout: float | None = Field(
+        None, gt=0, description="Seconds an http(s) image or video URL may take to download (default: "
+                                "$VLLM_IMAGE_FETCH_TIMEOUT or 5 for images, $VLLM_VIDEO_FETCH_TIMEOUT or 30 for videos)",
+        json_schema_extra=cli(_MM))
+    max_media_bytes: int = Field(
+        64 << 20, ge=1, description="Largest body an http(s) image or video URL may have (e.g. 64MiB); the "
+                                    "download stops there and the request is refused",
+        json_schema_extra=cli(_MM, metavar="SIZE"))
+    allowed_media_domains: list[str] = Field(
+        default_factory=list, description="Hosts http(s) media URLs may name, comma-separated (default: any)",
+        json_schema_extra=cli(_MM, metavar="DOMAINS"))
     mm_encoder_cache_size: int = Field(
         8192, ge=0, description="Encoder outputs (image embeddings) kept for reuse by later requests, in "
                                 "embedding rows (tokens); 0: none kept", json_schema_extra=cli(_MM))
@@ -218,6 +230,23 @@ class EngineConfig(BaseModel):
         if malformed := [key for key in value if "" in key.rpartition(".")]:
             raise ValueError(f"plugin option keys look like '<plugin>.<name>', not {malformed}")
         return value
+
+    @field_validator("max_media_bytes", mode="before")
+    @classmethod
+    def _parse_media_size(cls, value: int | str) -> int:
+        return parse_size(value)
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _split_domains(cls, value: str | list[str]) -> list[str]:
+        """The command line gives one text: "a.com,b.org" (or space-separated)."""
+        if isinstance(value, str):
+            return [d for d in value.replace(",", " ").split() if d]
+        return value
+
+    def media_fetch_policy(self) -> MediaFetchPolicy:
+        """How chat requests' http(s) media URLs are fetched (``tokenmill.multimodal.fetch``)."""
+        return MediaFetchPolicy(self.media_fetch_timeout, self.max_media_bytes, tuple(self.allowed_media_domains))
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -87,7 +87,7 @@ def test_image_urls_give_the_python_api_answer(vlm_client, llava_path, media_dir
     (_user("<image> and", _image_part(_data_url(random_image(1)))), "placeholder"),
     (_user(*[_image_part(_data_url(random_image(i))) for i in range(3)]), "max_model_len"),
     (_user(_image_part("file:///etc/hostname"), "hi"), "outside the allowed folder"),
-    (_user(_image_part("https://example.com/cat.png"), "hi"), "not supported"),
+    (_user(_image_part("ftp://example.com/cat.png"), "hi"), "not supported"),
 ])
 def test_bad_image_input_is_a_400_naming_it(vlm_client, messages, problem):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,10 +11,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.chat import render_chat
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora import LoRARequest
-from tokenmill.multimodal.chat_media import media_placeholders, take_media
+from tokenmill.multimodal.chat_media import media_placeholders, names_remote_media, take_media
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_cli.server.errors import STREAMING_RESPONSES, APIError, exception_body, output_error
@@ -72,9 +74,11 @@ def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: 
         add_generation_prompt = False  # continuing the last message: no new turn, unless asked for explicitly
     processor = getattr(getattr(state.engine, "engine", None), "input_processor", None)
     placeholders = media_placeholders(getattr(processor, "multimodal", None))
-    media_root = getattr(getattr(state.engine, "config", None), "allowed_local_media_path", None)
-    try:
-        dicts, media = take_media([m.for_template() for m in messages], placeholders, media_root)
+    config = getattr(state.engine, "config", None)
+    media_root = getattr(config, "allowed_local_media_path", None)
+    fetch_policy = config.media_fetch_policy() if isinstance(config, EngineConfig) else None
+    try:  # http(s) media are fetched here: callers run this off the event loop (generate_chat_off_loop)
+        dicts, media = take_media([m.for_template() for m in messages], placeholders, media_root, fetch_policy)
     except InvalidRequestError as exc:
         raise InvalidRequestError(str(exc), param=param) from exc
     text = render_chat(state.tokenizer, dicts, rendering.chat_template or state.settings.chat_template,
@@ -104,6 +108,21 @@ def generate_chat(state: ServerState, messages: Sequence[ChatMessage], rendering
     return merge_streams([naming_errors(generation, constraint)])
 
 
+async def generate_chat_off_loop(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
+                                 params: SamplingParams, constraint: Constraint | None, request_id: str,
+                                 priority: int = 0, timeout: float | None = None, param: str = "messages",
+                                 lora_request: LoRARequest | None = None,
+                                 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """:func:`generate_chat`, on a worker thread when a message names an http(s) image or video:
+    it downloads there (seconds, perhaps), so the event loop streaming other requests' tokens
+    never waits on it. Without one it runs in place, as it always has."""
+    if not any(names_remote_media(m.for_template()) for m in messages):
+        return generate_chat(state, messages, rendering, params, constraint, request_id, priority, timeout, param,
+                             lora_request)
+    return await asyncio.to_thread(generate_chat, state, messages, rendering, params, constraint, request_id,
+                                   priority, timeout, param, lora_request)
+
+
 async def _serve(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     model = state.model_name(body.model)
     tools = ChatTools.of_request(body.tools, body.tool_choice, body.parallel_tool_calls,
@@ -114,8 +133,8 @@ async def _serve(body: ChatCompletionRequest, state: ServerState, request: Reque
                                                                                body.response_format)))
     params = chat_sampling_params(body, constraint.params if constraint else None)
     request_id = new_id("chatcmpl")
-    merged = generate_chat(state, body.messages, body, params, constraint, request_id, body.priority, body.timeout,
-                           lora_request=state.lora_request(body.model))
+    merged = await generate_chat_off_loop(state, body.messages, body, params, constraint, request_id, body.priority,
+                                          body.timeout, lora_request=state.lora_request(body.model))
     view = _View(body, params, state.tokenizer, tools, reasoning)
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.chat import chat_prompt_ids, generate_chat
+from tokenmill_cli.server.chat import chat_prompt_ids, generate_chat_off_loop
 from tokenmill_cli.server.errors import APIError, exception_body, output_error, streaming_responses
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.messages_events import BlockEvents, error_event
@@ -139,9 +139,9 @@ async def _serve(body: MessagesRequest, state: ServerState, request: Request) ->
     reasoning = ReplyReasoning.of_server(state.settings.reasoning_parser, state.tokenizer)
     constraint = reasoning.constrain(chat_constraint(tools, output_constraint(body.output_config)))
     plan = _Plan(new_message_id(), model, tools, reasoning, _sampling_params(body, constraint))
-    merged = generate_chat(state, chat_messages(body.system, body.messages), rendering(body), plan.params,
-                           constraint, plan.id, body.priority, body.timeout,
-                           lora_request=state.lora_request(body.model))
+    merged = await generate_chat_off_loop(state, chat_messages(body.system, body.messages), rendering(body),
+                                          plan.params, constraint, plan.id, body.priority, body.timeout,
+                                          lora_request=state.lora_request(body.model))
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         return SSEResponse(request, _Stream(plan).events(first[1], merged), on_close=merged.aclose)

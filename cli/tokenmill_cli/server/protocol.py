@@ -154,7 +154,9 @@ class CompletionRequest(SamplingFields):
 
 
 class ImageURL(BaseModel):
-    url: str = Field(description="a data: URL (base64) or a file:// path under --allowed-local-media-path")
+    url: str = Field(description="a data: URL (base64), an http(s) URL (fetched under --media-fetch-timeout, "
+                                 "--max-media-bytes, --allowed-media-domains) or a file:// path under "
+                                 "--allowed-local-media-path")
     detail: str | None = None
 
 
@@ -177,8 +179,8 @@ class ImagePart(BaseModel):
 
 
 class VideoURL(BaseModel):
-    url: str = Field(description="a video file (mp4, webm, ...) as a data: URL (base64) or a file:// path under "
-                                 "--allowed-local-media-path")
+    url: str = Field(description="a video file (mp4, webm, ...) as a data: URL (base64), an http(s) URL or a "
+                                 "file:// path under --allowed-local-media-path")
 
 
 class VideoPart(BaseModel):

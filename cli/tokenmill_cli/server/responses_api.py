@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.chat import generate_chat
+from tokenmill_cli.server.chat import generate_chat_off_loop
 from tokenmill_cli.server.errors import (
     ERROR_RESPONSES,
     APIError,
@@ -137,9 +137,9 @@ async def _serve(body: ResponsesRequest, state: ServerState, request: Request) -
     plan = _Plan(_skeleton(body, model, tools, store), conversation, tools, reasoning, store)
     rendering = ChatRendering(add_generation_prompt=True, continue_final_message=False, chat_template=None,
                               tools=tools_param)
-    merged = generate_chat(state, chat_messages(body.instructions, conversation), rendering, params, constraint,
-                           plan.response.id, body.priority, body.timeout, param="input",
-                           lora_request=state.lora_request(body.model))
+    merged = await generate_chat_off_loop(state, chat_messages(body.instructions, conversation), rendering, params,
+                                          constraint, plan.response.id, body.priority, body.timeout, param="input",
+                                          lora_request=state.lora_request(body.model))
     if body.stream:
         first = await anext(merged)  # input errors surface here, before the 200
         stream = _Stream(plan, state, EventWriter())

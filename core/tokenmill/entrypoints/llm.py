@@ -145,7 +145,7 @@ class LLM:
         """The prompt of one conversation: its token ids, or (with ``image_url`` content parts, for a
         multimodal model) its text with a placeholder where each image was, and the images."""
         conversation, media = take_media(conversation, media_placeholders(self.engine.input_processor.multimodal),
-                                         self.config.allowed_local_media_path)
+                                         self.config.allowed_local_media_path, self.config.media_fetch_policy())
         if not any(media.values()):
             return {"prompt_token_ids": self._chat_token_ids(conversation, chat_template, add_generation_prompt,
                                                              continue_final_message, tools)}

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.fetch import MediaFetchPolicy, is_http_url
 from tokenmill.multimodal.media import load_image_url, load_video_url
 
 IMAGE_PART_TYPES = ("image_url", "input_image")
@@ -23,11 +24,12 @@ def take_images(messages: Sequence[dict[str, Any]], placeholder: str | None,
 
 
 def take_media(messages: Sequence[dict[str, Any]], placeholders: Mapping[str, str | None],
-               allowed_local_media_path: str | None) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+               allowed_local_media_path: str | None, fetch_policy: MediaFetchPolicy | None = None,
+               ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """The messages with their image and video parts replaced by the placeholder text of
     their modality, and the items of each modality (images, videos' file bytes), in order.
     A modality whose placeholder is None or absent is one the model does not take: its parts
-    are refused."""
+    are refused. An http(s) URL is fetched here, blocking: call it off any event loop."""
     media: dict[str, list[Any]] = {"image": [], "video": []}
     out = []
     for message in messages:
@@ -42,12 +44,28 @@ def take_media(messages: Sequence[dict[str, Any]], placeholders: Mapping[str, st
                         raise InvalidRequestError(f"this model takes no {modality}s: only "
                                                   f"{_accepted(placeholders)} content parts", param="messages")
                     load = load_image_url if modality == "image" else load_video_url
-                    media[modality].append(load(_url(part, modality), allowed_local_media_path))
+                    media[modality].append(load(_url(part, modality), allowed_local_media_path,
+                                                      fetch_policy))
                     part = {"type": "text", "text": placeholder}
                 parts.append(part)
             message = {**message, "content": parts}
         out.append(message)
     return out, media
+
+
+def names_remote_media(message: Mapping[str, Any]) -> bool:
+    """Whether ``message`` has an image or video part whose URL is fetched over http(s)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return False
+    for part in content:
+        modality = _modality(part)
+        if modality is not None:
+            value = part.get(f"{modality}_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if isinstance(url, str) and is_http_url(url):
+                return True
+    return False
 
 
 def media_placeholders(processor: Any) -> dict[str, str | None]:

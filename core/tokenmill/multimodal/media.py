@@ -1,5 +1,6 @@
-"""Images (and video files) from what an API request sends: ``data:`` URLs (base64) and ``file://`` paths
-under the one folder the server allows (``allowed_local_media_path``).
+"""Images (and video files) from what an API request sends: ``data:`` URLs (base64), ``file://`` paths
+under the one folder the server allows (``allowed_local_media_path``) and ``http(s)://`` URLs
+(fetched under a :class:`~tokenmill.multimodal.fetch.MediaFetchPolicy`).
 
 Every failure is an :class:`InvalidRequestError` that says what was wrong with the input
 (a 400 from the server), never an exception from deep inside Pillow.
@@ -15,30 +16,37 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.fetch import MediaFetchPolicy, fetch_media_bytes, is_http_url
 
 _PARAM = "messages"
 
 
-def load_image_url(url: str, allowed_local_media_path: str | None = None) -> Any:
+def load_image_url(url: str, allowed_local_media_path: str | None = None,
+                   fetch_policy: MediaFetchPolicy | None = None) -> Any:
     """The RGB ``PIL.Image`` at ``url``."""
     if url.startswith("data:"):
         return image_from_bytes(_data_url_bytes(url))
     if url.startswith("file:"):
         return image_from_bytes(_local_file_bytes(url, allowed_local_media_path))
+    if is_http_url(url):
+        return image_from_bytes(fetch_media_bytes(url, "image", fetch_policy or MediaFetchPolicy()))
     scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-    raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported: send a data: URL (base64) or a file:// "
-                              "path under --allowed-local-media-path", param=_PARAM)
+    raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported: send a data: URL (base64), an http(s) "
+                              "URL or a file:// path under --allowed-local-media-path", param=_PARAM)
 
 
-def load_video_url(url: str, allowed_local_media_path: str | None = None) -> bytes:
+def load_video_url(url: str, allowed_local_media_path: str | None = None,
+                   fetch_policy: MediaFetchPolicy | None = None) -> bytes:
     """The bytes of the video file at ``url`` (decoded by the model's processor)."""
     if url.startswith("data:"):
         return _data_url_bytes(url)
     if url.startswith("file:"):
         return _local_file_bytes(url, allowed_local_media_path)
+    if is_http_url(url):
+        return fetch_media_bytes(url, "video", fetch_policy or MediaFetchPolicy())
     scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-    raise InvalidRequestError(f"video URL scheme {scheme!r} is not supported: send a data: URL (base64) or a file:// "
-                              "path under --allowed-local-media-path", param=_PARAM)
+    raise InvalidRequestError(f"video URL scheme {scheme!r} is not supported: send a data: URL (base64), an http(s) "
+                              "URL or a file:// path under --allowed-local-media-path", param=_PARAM)
 
 
 def image_from_bytes(data: bytes) -> Any:
