@@ -97,3 +97,11 @@ def test_a_cache_too_small_for_an_item_encodes_it_for_each_chunk():
     steps = [_run_step(scheduler) for _ in range(3)]
     assert [s.num_scheduled_tokens for s in steps] == [{"r": 5}, {"r": 5}, {"r": 2}]
     assert [s.scheduled_encoder_inputs for s in steps] == [{"r": [0]}, {"r": [0]}, {}]
+
+
+def test_items_are_budgeted_in_prompt_order_whatever_their_list_order():
+    scheduler = _scheduler(max_num_encoder_input_tokens=8)
+    scheduler.add_request(_request("r", 40, [(14, 6, "later"), (4, 6, "earlier")]))  # e.g. videos listed after images
+    first = _run_step(scheduler)
+    assert first.num_scheduled_tokens == {"r": 14}
+    assert first.scheduled_encoder_inputs == {"r": [1]}

@@ -72,7 +72,8 @@ class EncoderBudget:
         first item they reach whose encoder output neither exists nor fits the step's budget and
         the cache. The items the chunk reaches are scheduled for encoding or pinned in the cache."""
         end = start + num_new
-        for index, item in enumerate(items):
+        # in prompt order, so that a cut never leaves out an item scheduled before it
+        for index, item in sorted(enumerate(items), key=lambda pair: pair[1].offset):
             if item.overlap(start, end) is None:
                 continue
             key = item.content_hash
