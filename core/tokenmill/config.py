@@ -167,6 +167,11 @@ class EngineConfig(BaseModel):
     mm_encoder_cache_size: int = Field(
         8192, ge=0, description="Encoder outputs (image embeddings) kept for reuse by later requests, in "
                                 "embedding rows (tokens); 0: none kept", json_schema_extra=cli(_MM))
+    max_num_encoder_input_tokens: int | None = Field(
+        None, ge=1, description="Encoder input tokens (image placeholder rows) one step may encode; a prefill "
+                                "chunk stops before an image that does not fit, and an image larger than it is "
+                                "encoded alone in a step (default: max_num_batched_tokens)",
+        json_schema_extra=cli(_MM))
 
     strict_plugins: bool = Field(False, description="Fail when a plugin cannot be loaded",
                                  json_schema_extra=cli(_PLUGINS))

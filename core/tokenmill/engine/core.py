@@ -99,6 +99,8 @@ class EngineCore:
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             **_draft_backoff_options(config.speculative_config),
             steps_in_flight=config.pipeline_parallel_size,
+            max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
+            encoder_cache_size=config.mm_encoder_cache_size,
         ), self.kv_manager, self.structured_output, self.lora,
             self._kv_connector())
         # Pipeline stages overlap on micro-batches: a step per stage in flight (engine.micro_batches)

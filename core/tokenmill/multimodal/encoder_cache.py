@@ -42,6 +42,12 @@ class EncoderCache:
             self._outputs.move_to_end(key)
         return output
 
+    def pop(self, key: str) -> None:
+        """Drop ``key``'s output, if held (the scheduler's mirror evicted it)."""
+        output = self._outputs.pop(key, None)
+        if output is not None:
+            self._rows -= int(output.shape[0])
+
     def put(self, key: str, output: torch.Tensor) -> None:
         """Keep ``output`` (``[rows, hidden]``), evicting the least recently used ones to make room."""
         rows = int(output.shape[0])

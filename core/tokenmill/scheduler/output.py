@@ -85,6 +85,11 @@ class SchedulerOutput:
     lora_loads: dict[int, Any] = field(default_factory=dict)
     # KV connector: what its worker side loads and saves this step (its scheduler side built it).
     kv_connector_metadata: Any = None
+    # Multimodal: the items (indices into a request's ``mm_inputs``) the workers encode this step, by
+    # request, and the content hashes they drop from their encoder cache first (the scheduler's
+    # mirror evicted them: scheduler/encoder_budget.py).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

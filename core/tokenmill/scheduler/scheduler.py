@@ -44,6 +44,7 @@ from tokenmill.kv_transfer.connector import KVConnectorOutput, ScheduledKVReques
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.draft_backoff import DraftBackoff
+from tokenmill.scheduler.encoder_budget import EncoderBudget
 from tokenmill.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -82,6 +83,10 @@ class SchedulerConfig:
     # Steps the engine core schedules before the first one's output is applied: one per pipeline
     # stage under pipeline parallelism (its micro-batches), else 1.
     steps_in_flight: int = 1
+    # Multimodal: encoder input tokens (image placeholder rows) one step may encode (0: the
+    # step's token budget), and the workers' encoder cache size in rows (scheduler/encoder_budget.py).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.encoder_cache_queries = 0  # multimodal items looked up in the workers' encoder cache, since start
         self.encoder_cache_hits = 0
+        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                     config.encoder_cache_size)
         self.spec_decode = SpecDecodeCounters()
         self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
                                           config.spec_backoff_tokens)
@@ -197,6 +204,7 @@ class Scheduler:
         else:
             self.kv.free(request)
         del self.requests[request.request_id]
+        self.encoder.release(request.request_id)
         self._constrained.pop(request.request_id, None)
         self.draft_backoff.forget(request.request_id)
         request.grammar = None
@@ -233,9 +241,11 @@ class Scheduler:
         if self.waiting_for_lora:
             self._admit_ready_adapters()
         plan = _StepPlan(self.config.max_num_batched_tokens, [], [], {}, max_requests=self._step_request_cap())
+        self.encoder.begin_step()
         self._schedule_running(plan)
         if not self._preempted_ids:
             self._schedule_waiting(plan)
+        encoder_inputs, freed_encoder_hashes = self.encoder.end_step()
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new,
             scheduled_cached_reqs=plan.cached,
@@ -245,6 +255,8 @@ class Scheduler:
             preempted_req_ids=self._preempted_ids,
             scheduled_spec_decode_tokens=plan.drafts,
             lora_loads=self.lora.slots.take_loads() if self.lora is not None else {},
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_hashes=freed_encoder_hashes,
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
@@ -333,6 +345,12 @@ class Scheduler:
                 break
             num_unsent = request.num_tokens - request.num_computed_tokens
             num_new = min(num_unsent + len(request.spec_token_ids), plan.budget)  # drafts count in the budget
+            if request.mm_inputs:
+                num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, request.num_computed_tokens,
+                                                 num_new)
+                if num_new == 0:  # its next image waits for a step with encoder budget left
+                    index += 1
+                    continue
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request itself was preempted
                 continue
@@ -362,6 +380,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
+        self.encoder.withdraw(request.request_id)
         if request.request_id in plan.tokens:  # already scheduled this step: take it back
             plan.budget += plan.tokens.pop(request.request_id)
             plan.drafts.pop(request.request_id, None)
@@ -391,7 +410,14 @@ class Scheduler:
             if num_new > plan.budget and (not self.config.enable_chunked_prefill or self.config.non_causal_prefill):
                 break
             num_new = min(num_new, plan.budget)
+            if request.mm_inputs:
+                num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, num_computed, num_new)
+                if num_new == 0 or (num_computed + num_new < request.num_tokens
+                                    and not self.config.enable_chunked_prefill):
+                    self.encoder.withdraw(request.request_id)
+                    break  # its next image waits for a step with encoder budget left
             if self.kv.allocate_slots(request, num_new, computed_blocks, 0 if loaded else num_computed) is None:
+                self.encoder.withdraw(request.request_id)
                 break
             self._kv_loaded.discard(request.request_id)
             self.waiting.pop()
@@ -494,6 +520,8 @@ class Scheduler:
             if request is None or request.is_finished:  # finished from outside meanwhile
                 continue
             request.num_computed_tokens += num_tokens
+            if request.mm_inputs:  # the items it has computed past need their encoder output no more
+                self.encoder.release(req_id, [i for i in request.mm_inputs if i.end <= request.num_computed_tokens])
             sampled = runner_output.sampled.get(req_id, [])
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and sampled:  # the rejected drafts' KV is not the request's: recompute from there

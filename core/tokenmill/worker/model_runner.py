@@ -160,6 +160,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Update the batch and run the step's forward; :meth:`sample_tokens` gives its output."""
         self._update_states(scheduler_output)
+        if self.multimodal is not None:
+            self.multimodal.begin_step(scheduler_output.scheduled_encoder_inputs, scheduler_output.free_encoder_hashes)
         if self.spec_decode is not None:
             self.spec_decode.place_drafts(self.batch, scheduler_output.scheduled_spec_decode_tokens)
         self._forward_result = None

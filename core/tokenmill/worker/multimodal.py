@@ -3,8 +3,11 @@ into its token embeddings.
 
 A prompt's image tokens may be computed over several steps (chunked prefill cuts through
 an image; a prefix-cache hit may cover its first part): each step takes the rows of the
-encoder output that its own tokens cover. The output comes from the :class:`EncoderCache`
-when it is there, else from the model's ``embed_multimodal``, once per item per step.
+encoder output that its own tokens cover. The encoder runs for the items the scheduler listed
+in ``SchedulerOutput.scheduled_encoder_inputs`` (its per-step encoder budget chose them, and
+its mirror of this cache knows the others are here); every other item comes from the
+:class:`EncoderCache`. An item neither listed nor cached is still encoded, so the answer stays
+right, but counted in ``unscheduled_encodes``: a broken promise of the scheduler's mirror.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class _Slice:
     """Rows [lo, hi) of ``item``'s encoder output go to the step's flat tokens from ``flat``."""
 
     item: MultiModalItem
+    req_id: str
+    index: int  # the item's index in its request's ``mm_inputs``
     flat: int
     lo: int
     hi: int
@@ -38,6 +43,15 @@ class MultiModalEmbedder:
         self.cache = EncoderCache(cache_size)
         self.mrope = uses_mrope(model)
         self._reported = (0, 0)  # the cache's (queries, hits) at the last take_step_counts
+        self._scheduled: set[tuple[str, int]] = set()  # (request, item index) to encode this step
+        self.unscheduled_encodes = 0  # items encoded though the scheduler did not list them (should stay 0)
+        self.max_step_encoded_tokens = 0  # most encoder input tokens one step encoded
+
+    def begin_step(self, scheduled: dict[str, list[int]], freed: list[str]) -> None:
+        """Drop the outputs the scheduler's mirror evicted; note the items this step encodes."""
+        for key in freed:
+            self.cache.pop(key)
+        self._scheduled = {(req_id, index) for req_id, indices in scheduled.items() for index in indices}
 
     def take_step_counts(self) -> tuple[int, int]:
         """The cache's look-ups and hits since the last call (the step's, for the metrics)."""
@@ -52,7 +66,7 @@ class MultiModalEmbedder:
         slices = _step_slices(inputs, batch)
         if not slices:
             return None
-        outputs = self._encoder_outputs([s.item for s in slices])
+        outputs = self._encoder_outputs(slices)
         mask = np.zeros(int(inputs.query_start[-1]), dtype=bool)
         for s in slices:
             mask[s.flat:s.flat + s.hi - s.lo] = True
@@ -89,21 +103,27 @@ class MultiModalEmbedder:
             return torch.from_numpy(positions[0].copy()).to(device)
         return torch.from_numpy(positions).to(device)
 
-    def _encoder_outputs(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
+    def _encoder_outputs(self, slices: list[_Slice]) -> dict[str, torch.Tensor]:
         """Each item's whole encoder output, by content hash: cached, or encoded now (the
-        missing ones in one ``embed_multimodal`` call)."""
+        scheduled ones in one ``embed_multimodal`` call)."""
         outputs: dict[str, torch.Tensor] = {}
         missing: dict[str, MultiModalItem] = {}
-        for item in items:
-            key = item.content_hash
+        scheduled: set[str] = set()
+        for s in slices:
+            key = s.item.content_hash
+            if (s.req_id, s.index) in self._scheduled:
+                scheduled.add(key)
             if key in outputs or key in missing:
                 continue
             cached = self.cache.get(key)
             if cached is not None:
                 outputs[key] = cached
             else:
-                missing[key] = item
+                missing[key] = s.item
         if missing:
+            self.unscheduled_encodes += len(missing.keys() - scheduled)
+            self.max_step_encoded_tokens = max(self.max_step_encoded_tokens,
+                                               sum(item.length for item in missing.values()))
             encoded = self.model.embed_multimodal(list(missing.values()))
             self.cache.encoded += len(missing)
             for (key, item), output in zip(missing.items(), encoded, strict=True):
@@ -130,10 +150,10 @@ def _step_slices(inputs: StepInputs, batch: InputBatch) -> list[_Slice]:
             continue
         start = int(inputs.context_lens[i])
         end = start + int(inputs.num_scheduled[i])
-        for item in state.mm_inputs:
+        for index, item in enumerate(state.mm_inputs):
             overlap = item.overlap(start, end)
             if overlap is not None:
                 lo, hi = overlap
-                slices.append(_Slice(item, int(inputs.query_start[i]) + lo - start, lo - item.offset,
+                slices.append(_Slice(item, state.req_id, index, int(inputs.query_start[i]) + lo - start, lo - item.offset,
                                      hi - item.offset))
     return slices
