@@ -163,7 +163,11 @@ def test_the_connectors_kv_transfer_params_ride_on_the_finishing_output_only():
 def test_kv_transfer_params_of_the_wrong_shape_are_refused_when_the_request_is_made():
     good = SamplingParams(extra_args={"kv_transfer_params": {"do_remote_decode": True, "a_connectors_own": [1]}})
     assert KVTransferParams.parse(good.extra_args["kv_transfer_params"]).do_remote_decode is True
+    # JSON Schema's integer includes 5600.0 (what a JavaScript client may send); it is read as 5600
+    as_json_numbers = KVTransferParams.parse({"remote_port": 5600.0, "remote_block_ids": [3.0, 4]})
+    assert (as_json_numbers.remote_port, as_json_numbers.remote_block_ids) == (5600, [3, 4])
     for bad in ({"do_remote_prefill": "yes"}, {"remote_port": 70000}, {"remote_port": "5600"},
+                {"remote_port": 5600.5}, {"remote_port": True},
                 {"remote_block_ids": [1, -2]}, {"remote_host": ""}, ["do_remote_decode"]):
         with pytest.raises(InvalidRequestError) as raised:
             SamplingParams(extra_args={"kv_transfer_params": bad})

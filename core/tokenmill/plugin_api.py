@@ -83,7 +83,15 @@ if TYPE_CHECKING:
         as_structural_format,
     )
     from tokenmill.request import Request
+    from tokenmill.sample.draft_sampler import (
+        DraftSampler,
+        SampledDrafts,
+        draft_sampling_params,
+        sample_drafts,
+        samples_drafts,
+    )
     from tokenmill.sample.kernels import SamplingKernels, register_sampling_kernels
+    from tokenmill.sample.metadata import SamplingMetadata
     from tokenmill.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
     from tokenmill.spec_decode.config import SpeculativeConfig
     from tokenmill.spec_decode.proposer import DraftRequest, Proposer, ProposerContext, TargetHiddenStates
@@ -122,6 +130,9 @@ _LAZY = {
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
+    **dict.fromkeys(["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"],
+                    "tokenmill.sample.draft_sampler"),
+    "SamplingMetadata": "tokenmill.sample.metadata",
     **dict.fromkeys(["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "SchedulerOutput"],
                     "tokenmill.scheduler.output"),
     **dict.fromkeys(["DraftRequest", "Proposer", "ProposerContext", "TargetHiddenStates"],
@@ -223,6 +234,13 @@ __all__ = [
     "ProposerContext",
     "SpeculativeConfig",
     "TargetHiddenStates",
+    # a proposer that samples its drafts: the request's params as a draft sees them, the draft's q
+    "DraftSampler",
+    "SampledDrafts",
+    "SamplingMetadata",
+    "draft_sampling_params",
+    "sample_drafts",
+    "samples_drafts",
     # KV connectors (disaggregated prefill/decode, KV offload): the two halves' contract, what they
     # are built with and report, and the request as the scheduler half sees it (read-only)
     "KVConnectorContext",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from tokenmill.errors import InvalidRequestError
 
@@ -24,6 +24,17 @@ if TYPE_CHECKING:
     from tokenmill.request import Request
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"  # the key in SamplingParams.extra_args, and the request field
+
+
+def _integral_float_as_int(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes ``105.0``; JSON clients (and JavaScript) may send one."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as JSON says it: 105 or 105.0, never "105", true or 105.5.
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral_float_as_int)]
 
 
 class KVTransferParams(BaseModel):
@@ -39,9 +50,9 @@ class KVTransferParams(BaseModel):
     remote_engine_id: StrictStr | None = Field(None, description="the engine that holds the KV")
     remote_host: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None, description="where that engine serves it")
-    remote_port: Annotated[StrictInt, Field(ge=1, le=65535)] | None = None
+    remote_port: Annotated[JsonInt, Field(ge=1, le=65535)] | None = None
     remote_request_id: StrictStr | None = Field(None, description="the request whose KV it keeps")
-    remote_block_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
+    remote_block_ids: list[Annotated[JsonInt, Field(ge=0)]] | None = Field(
         None, description="its blocks there")
 
     @classmethod

@@ -26,6 +26,7 @@ import torch
 from tokenmill.plugin_api import (
     CachedRequestData,
     DraftRequest,
+    DraftSampler,
     EngineConfig,
     NewRequestData,
     ProposerContext,
@@ -33,8 +34,9 @@ from tokenmill.plugin_api import (
     SpeculativeConfig,
     Worker,
     WorkerSpec,
+    draft_sampling_params,
+    samples_drafts,
 )
-from tokenmill.sample.draft_sampler import DraftSampler, draft_sampling_params, samples_drafts
 
 
 @dataclass

@@ -24,9 +24,16 @@ from typing import Any
 
 import torch
 
-from tokenmill.plugin_api import DraftRequest, ProposerContext, SpeculativeConfig, TargetHiddenStates
-from tokenmill.sample.draft_sampler import draft_sampling_params, sample_drafts, samples_drafts
-from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.plugin_api import (
+    DraftRequest,
+    ProposerContext,
+    SamplingMetadata,
+    SpeculativeConfig,
+    TargetHiddenStates,
+    draft_sampling_params,
+    sample_drafts,
+    samples_drafts,
+)
 from tokenmill_spec_eagle.checkpoint import read_head_weights
 from tokenmill_spec_eagle.head import EagleHead, LayerKV
 
