@@ -166,6 +166,9 @@ def test_kv_transfer_params_of_the_wrong_shape_are_refused_when_the_request_is_m
     # JSON Schema's integer includes 5600.0 (what a JavaScript client may send); it is read as 5600
     as_json_numbers = KVTransferParams.parse({"remote_port": 5600.0, "remote_block_ids": [3.0, 4]})
     assert (as_json_numbers.remote_port, as_json_numbers.remote_block_ids) == (5600, [3, 4])
+    schema = KVTransferParams.model_json_schema()["properties"]  # the bounds reach the server's OpenAPI schema
+    assert schema["remote_port"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 65535}
+    assert schema["remote_block_ids"]["anyOf"][0]["items"] == {"type": "integer", "minimum": 0}
     for bad in ({"do_remote_prefill": "yes"}, {"remote_port": 70000}, {"remote_port": "5600"},
                 {"remote_port": 5600.5}, {"remote_port": True},
                 {"remote_block_ids": [1, -2]}, {"remote_host": ""}, ["do_remote_decode"]):

@@ -33,8 +33,10 @@ def _integral_float_as_int(value: Any) -> Any:
     return value
 
 
-# An integer as JSON says it: 105 or 105.0, never "105", true or 105.5.
-JsonInt = Annotated[StrictInt, BeforeValidator(_integral_float_as_int)]
+# Integers as JSON says them (105 or 105.0, never "105", true or 105.5); the bounds sit inside the
+# conversion so the schema shows them as minimum/maximum.
+_Port = Annotated[Annotated[StrictInt, Field(ge=1, le=65535)], BeforeValidator(_integral_float_as_int)]
+_BlockId = Annotated[Annotated[StrictInt, Field(ge=0)], BeforeValidator(_integral_float_as_int)]
 
 
 class KVTransferParams(BaseModel):
@@ -50,9 +52,9 @@ class KVTransferParams(BaseModel):
     remote_engine_id: StrictStr | None = Field(None, description="the engine that holds the KV")
     remote_host: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None, description="where that engine serves it")
-    remote_port: Annotated[JsonInt, Field(ge=1, le=65535)] | None = None
+    remote_port: _Port | None = None
     remote_request_id: StrictStr | None = Field(None, description="the request whose KV it keeps")
-    remote_block_ids: list[Annotated[JsonInt, Field(ge=0)]] | None = Field(
+    remote_block_ids: list[_BlockId] | None = Field(
         None, description="its blocks there")
 
     @classmethod
