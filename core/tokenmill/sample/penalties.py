@@ -46,8 +46,13 @@ def apply_penalties(
     if prompt_token_ids is not None:
         seen = seen | (token_counts(prompt_token_ids, vocab_size) > 0)
 
-    repetition = repetition_penalties.unsqueeze(1)
+    # A penalty below float32's smallest normal (5e-324 from a JSON client) would be 0 here: -inf
+    # (a grammar-masked token) times 0 is NaN. Clamped, a huge quotient is at most float's max,
+    # and -inf stays -inf, so masked tokens stay masked.
+    finfo = torch.finfo(logits.dtype)
+    repetition = repetition_penalties.to(logits.dtype).clamp(min=finfo.tiny).unsqueeze(1)
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalised = torch.nan_to_num(penalised, posinf=finfo.max, neginf=float("-inf"))
     # Rows with penalty 1 compute penalised == logits, so no per-row branch.
     logits = torch.where(seen, penalised, logits)
 
