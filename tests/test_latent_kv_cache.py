@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 
 from tokenmill.attention import AttentionMetadata, KVCacheSpec, latent_attention, write_latent
+from tokenmill.kv_cache.fp8 import dequantize_kv, quantize_kv
 from tokenmill.layers import ModelBuildContext
 from tokenmill.testing.attention_cases import AttentionCase, build_paged_batch, reference_attention
 from tokenmill_models_moe.mla import MLAttention
@@ -47,6 +48,19 @@ def test_latent_reference_matches_the_definition(case):
     write_latent(cache, batch.metadata.slot_mapping, batch.key[:, 0])
     truth = reference_attention(replace(batch, sequence_values=[k[..., :LATENT] for k in batch.sequence_keys]))
     out = latent_attention(batch.query, cache, batch.metadata, (LATENT + ROPE) ** -0.5, LATENT)
+    torch.testing.assert_close(out.double(), truth, atol=2e-5, rtol=1e-4)
+
+
+def test_an_fp8_latent_cache_holds_the_rounded_entries():
+    """Stored as ``entry / scale`` in float8, read back times the scale: exact over the rounded entries."""
+    batch = build_paged_batch(replace(CASES[0], num_heads=4, num_kv_heads=1, head_size=LATENT + ROPE), "cpu",
+                              torch.float32)
+    scale, fp8 = 0.5, torch.float8_e4m3fn
+    cache = quantize_kv(batch.key_cache, scale, fp8)
+    write_latent(cache, batch.metadata.slot_mapping, batch.key[:, 0], scale)
+    rounded = [dequantize_kv(quantize_kv(k, scale, fp8), scale, torch.float32) for k in batch.sequence_keys]
+    truth = reference_attention(replace(batch, sequence_keys=rounded, sequence_values=[k[..., :LATENT] for k in rounded]))
+    out = latent_attention(batch.query, cache, batch.metadata, (LATENT + ROPE) ** -0.5, LATENT, scale)
     torch.testing.assert_close(out.double(), truth, atol=2e-5, rtol=1e-4)
 
 
