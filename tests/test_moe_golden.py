@@ -93,8 +93,8 @@ def test_preemption_recomputes_exactly(arch, moe_path, reference):
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])
 @pytest.mark.parametrize("arch", DEEPSEEK)
 def test_latent_attention_on_each_attention_backend(arch, backend, moe_path, reference):
-    """The decompressed keys and values (values zero-padded to the key size) go through
-    whichever backend serves the paged cache."""
+    """Whichever backend the engine chose, the latent layers run the core's latent reference
+    over their own cache (tokenmill.attention.latent): the tokens stay transformers'."""
     llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
               attention_backend=backend)
     assert attention_backend(llm) == backend
@@ -103,14 +103,42 @@ def test_latent_attention_on_each_attention_backend(arch, backend, moe_path, ref
 
 @pytest.mark.parametrize("arch", DEEPSEEK)
 def test_prefix_cache_hits_with_chunked_prefill_match_transformers(arch, moe_path, reference):
-    """The latent attention caches decompressed per-head keys and values in the ordinary
-    paged layout: a later request reuses the blocks of a 40-token shared prefix."""
+    """The latent cache is paged as any other: a later request reuses the blocks holding a
+    40-token shared prefix's latents, its prompt arriving in chunks of 16."""
     llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="32MiB",
               max_num_batched_tokens=16, enable_prefix_caching=True)
     prompts = _prompts(shared_prefix=40)
     outputs = _generate(llm, prompts[:1]) + _generate(llm, prompts[1:])
     _assert_matches(outputs, reference(arch, shared_prefix=40))
     assert all(out.num_cached_tokens >= 32 for out in outputs[1:]), [o.num_cached_tokens for o in outputs]
+
+
+@pytest.mark.parametrize("arch", DEEPSEEK)
+def test_the_latent_cache_holds_more_blocks_in_the_same_memory(arch, moe_path, reference):
+    """A token and layer cache kv_lora_rank + qk_rope_head_dim = 40 numbers, not the decompressed
+    2 * 4 heads * 32 (keys and values): 150 KiB, which held 3 blocks of 16 tokens (fewer than one
+    128-token sequence needs), holds 20, and the 8 prompts (25 blocks) run through them, preempted."""
+    config = json.loads((moe_path(arch) / "config.json").read_text())
+    layers, budget = config["num_hidden_layers"], 150 * 1024
+    latent = layers * 16 * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
+    head = max(config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"])
+    decompressed = layers * 16 * 2 * config["num_attention_heads"] * head * 4
+    assert (budget // decompressed, budget // latent) == (3, 20)
+    llm = LLM(str(moe_path(arch)), dtype="float32", max_model_len=128, kv_cache_memory="150KiB")
+    assert llm.engine.model_info.num_kv_blocks == budget // latent
+    _assert_matches(_generate(llm), reference(arch))
+    assert llm.engine.scheduler_stats.num_preemptions > 0
+
+
+def test_an_fp8_latent_cache_holds_four_times_the_blocks(moe_path, reference):
+    """One byte a latent number, not float32's four; the entries read back at their scale give
+    transformers' first token for every prompt (later ones drift with the rounding: 68 of 96
+    positions before the first difference, measured)."""
+    llm = LLM(str(moe_path("deepseek-v2")), dtype="float32", max_model_len=128, kv_cache_memory="150KiB",
+              kv_cache_dtype="fp8")
+    assert llm.engine.model_info.num_kv_blocks == 4 * 20
+    outputs = _generate(llm)
+    assert [out.outputs[0].token_ids[0] for out in outputs] == [tokens[0] for tokens, _ in reference("deepseek-v2")]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe", "deepseek-v3"])

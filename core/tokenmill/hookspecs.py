@@ -273,6 +273,11 @@ def tokenmill_register_attention_backends(platform: Platform) -> list[AttentionB
 
     Called: in each process that builds a model, once the model is built (its
     head size and dtype are known), and by ``tokenmill plugins``.
+    The head size and the other needs come from the layers whose ``kv_cache_spec``
+    (tokenmill.attention.kv_spec) is of kind ``"kv"``: a ``"latent"`` layer (DeepSeek's
+    latent attention, ``tokenmill.layers.LatentAttention``) writes and reads its own cache, so
+    a backend never sees one (a model of latent layers alone asks for head size 0, as an
+    encoder does).
 
     Default: none in the core; SDPA and the CPU platform's paged backend ship as
     plugins. Collect hook; names must be unique across plugins.

@@ -36,7 +36,16 @@ from tokenmill.plugins.specs import (
 )
 
 if TYPE_CHECKING:
-    from tokenmill.attention import AttentionBackend, AttentionMetadata, AttentionRequirements, KVCache
+    from tokenmill.attention import (
+        AttentionBackend,
+        AttentionMetadata,
+        AttentionRequirements,
+        KVCache,
+        KVCacheKind,
+        KVCacheSpec,
+        latent_attention,
+        write_latent,
+    )
     from tokenmill.config import EngineConfig, parse_size
     from tokenmill.executor import Executor, UniProcExecutor
     from tokenmill.kv_cache.fp8 import (
@@ -111,7 +120,8 @@ if TYPE_CHECKING:
 
 # name -> the internal module it is defined in, imported on first use
 _LAZY = {
-    **dict.fromkeys(["AttentionBackend", "AttentionMetadata", "AttentionRequirements", "KVCache"],
+    **dict.fromkeys(["AttentionBackend", "AttentionMetadata", "AttentionRequirements", "KVCache", "KVCacheKind",
+                     "KVCacheSpec", "latent_attention", "write_latent"],
                     "tokenmill.attention"),
     **dict.fromkeys(["EngineConfig", "parse_size"], "tokenmill.config"),
     **dict.fromkeys(["Executor", "UniProcExecutor"], "tokenmill.executor"),
@@ -195,6 +205,10 @@ __all__ = [
     "AttentionMetadata",
     "AttentionRequirements",
     "KVCache",
+    "KVCacheKind",
+    "KVCacheSpec",
+    "latent_attention",
+    "write_latent",
     # checkpoints (single-file formats)
     "Checkpoint",
     "WeightsIterator",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, KVCache
+from tokenmill.attention.kv_spec import KVCacheSpec
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -44,6 +45,11 @@ class Attention(nn.Module):
         # model's attention layers, where the engine has one: it may load and save per layer.
         self.kv_connector: Any = None
         self.kv_connector_index = 0
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What this layer caches a token (tokenmill.attention.kv_spec): a key and a value per KV head."""
+        return KVCacheSpec("kv", self.num_kv_heads, self.head_size)
 
     def bind(self, backend: AttentionBackend, kv_cache: KVCache) -> None:
         self.backend = backend

@@ -69,9 +69,9 @@ def profile_forward(runner: ModelRunner, num_tokens: int) -> Callable[[], None]:
         num_blocks = sum(-(-n // runner.block_size) for n in lengths)
         try:
             for layer in layers:
-                shape = (num_blocks, runner.block_size, layer.num_kv_heads, layer.head_size)
-                scratch = (torch.zeros(shape, dtype=runner.dtype, device=runner.device),
-                           torch.zeros(shape, dtype=runner.dtype, device=runner.device))
+                scratch = layer.kv_cache_spec.allocate(
+                    lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=runner.device), num_blocks,
+                    runner.block_size, runner.dtype)
                 layer.bind(runner.backend, scratch)
             metadata = profile_metadata(lengths, runner.block_size, runner.device)
             metadata.backend_data = runner.backend.prepare(metadata)

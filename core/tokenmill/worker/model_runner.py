@@ -104,8 +104,8 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_size * element for a in self.attention_layers)
+        """One block of every layer, in bytes, as each layer's ``kv_cache_spec`` says."""
+        return sum(a.kv_cache_spec.bytes_per_block(self.block_size, self.kv_cache_dtype) for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int, prefault_bytes: int = 0) -> None:
         """``prefault_bytes`` (from a ``KVCachePrefault`` platform, whose KV tensors are host
@@ -117,15 +117,14 @@ class ModelRunner:
             self.graphs.clear()  # they hold the caches they were captured on
         prefault_blocks = min(num_blocks, prefault_bytes // self.kv_bytes_per_block())
         for layer in self.attention_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            allocate = self.kv_allocator.allocate_kv_tensor
-            cache = (allocate(shape, self.kv_cache_dtype), allocate(shape, self.kv_cache_dtype))
+            cache = layer.kv_cache_spec.allocate(self.kv_allocator.allocate_kv_tensor, num_blocks, self.block_size,
+                                                 self.kv_cache_dtype)
             layer.bind(self.backend, cache)
             self.kv_caches.append(cache)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if prefault_blocks:
-            tensors = [t for cache in self.kv_caches for t in cache]
+            tensors = list({id(t): t for cache in self.kv_caches for t in cache}.values())  # a latent pair is one tensor
             populate_in_background(
                 [(t.data_ptr(), t[:prefault_blocks].nbytes) for t in tensors], owners=tensors)
 

@@ -157,7 +157,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
     quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
     model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config, comm=comm,
                         stage=stage, expert_parallel=config.enable_expert_parallel)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    # the layers the backend serves (a latent layer, tokenmill.attention.kv_spec, reads its own cache)
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.kv_cache_spec.kind == "kv"]
     needs = AttentionRequirements(
         device_type=platform.device_type,
         dtype=str(dtype).removeprefix("torch."),

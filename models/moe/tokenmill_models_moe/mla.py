@@ -1,4 +1,4 @@
-"""DeepSeek's multi-head latent attention (MLA), over the engine's ordinary paged KV cache.
+"""DeepSeek's multi-head latent attention (MLA), over a compressed latent KV cache.
 
 Keys and values come from one small latent per token: ``kv_a_proj_with_mqa`` projects
 the hidden state to ``kv_lora_rank`` latent features plus ``qk_rope_head_dim`` rotary
@@ -8,33 +8,43 @@ and its value (``v_head_dim``). A head's key is its non-rotary part followed by 
 shared rotary part; its query likewise (through ``q_a_proj`` / ``q_a_layernorm`` /
 ``q_b_proj`` when the config has a ``q_lora_rank``, else one ``q_proj``).
 
-The KV cache (a first version): what is cached is the *decompressed* per-head key and
-value, through the same :class:`tokenmill.layers.Attention` layer and paged layout every
-other model uses, so every attention backend, chunked prefill and the prefix cache work
-unchanged. A head's key and value have different sizes, and the paged layout holds one
-head size, so the shorter of the two is padded with zeros to the longer (zero features
-change no score and are cut from the output). Caching the compressed latent instead
-(``kv_lora_rank + qk_rope_head_dim`` numbers a token, not ``2 * heads * head size``) needs
-its own cache layout and attention kernel: a follow-up.
+The KV cache holds the compressed entry alone: the normed latent followed by the rotated
+shared rotary key, ``kv_lora_rank + qk_rope_head_dim`` numbers a token and layer (a
+``"latent"`` :class:`tokenmill.plugin_api.KVCacheSpec`, through
+:class:`tokenmill.layers.LatentAttention`), where caching decompressed keys and values took
+``2 * heads * max(qk_nope + qk_rope, v)``. Attention runs in the absorbed form: ``kv_b_proj``'s
+key half ``W_UK`` [heads, qk_nope, kv_lora_rank] is folded into the queries (a head's
+non-rotary query times ``W_UK`` scores directly against the cached latents, since ``q . (W_UK
+c) = (q W_UK) . c``), the rotary parts score as they are, the softmax-weighted sum is taken of
+the latents, and only that sum goes through the value half ``W_UV`` and then ``o_proj``. The
+attention itself is ``tokenmill.attention.latent``'s torch/SDPA reference (whichever backend
+serves other models); under tensor parallelism the heads split over the ranks and each rank
+caches the whole latent (it is shared by every head).
 
 Rotary: the checkpoints lay a rotary head's features out in interleaved pairs
 ``(x0, x1), (x2, x3), ...`` (DeepSeek-V2 always, V3 with ``rope_interleave``); the same
 permutation of query and key features leaves every score unchanged, so those features are
 de-interleaved (``x0, x2, ..., x1, x3, ...``) and rotated by the shared GPT-NeoX rotary
-op. With a YaRN rope whose ``mscale_all_dim`` is set (DeepSeek's long-context configs),
-the softmax scale gains YaRN's ``mscale`` squared, as the reference implementation does.
+op (and cached so). With a YaRN rope whose ``mscale_all_dim`` is set (DeepSeek's long-context
+configs), the softmax scale gains YaRN's ``mscale`` squared, as the reference implementation does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers import Attention, Linear, ModelBuildContext, RMSNorm, get_rotary_embedding
+from tokenmill.layers import (
+    LatentAttention,
+    Linear,
+    ModelBuildContext,
+    RMSNorm,
+    UnquantizedLinearMethod,
+    get_rotary_embedding,
+)
 from tokenmill.plugin_api import AttentionMetadata
 
 # the latent and query-latent norms use the reference implementation's default, not rms_norm_eps
@@ -67,7 +77,7 @@ class MLAttention(nn.Module):
 
     Under tensor parallelism the heads are split over the ranks (``q_b_proj`` / ``q_proj``
     and ``kv_b_proj`` column-parallel by head, ``o_proj`` row-parallel); the latent
-    projections are small and replicated."""
+    projections are small and replicated, and so is the cached latent."""
 
     def __init__(self, config: Any, layer_index: int, ctx: ModelBuildContext, *, rope_interleaved: bool) -> None:
         super().__init__()
@@ -100,24 +110,23 @@ class MLAttention(nn.Module):
                                 ctx=ctx.child("kv_b_proj"), parallel="column")
         self.o_proj = Linear(total_heads * self.v_size, hidden, bias=bias, ctx=ctx.child("o_proj"), parallel="row")
         self.rotary_emb = get_rotary_embedding(ctx, self.rope_size, config.max_position_embeddings)
-        # the cache's head size: the longer of a key (nope + rope) and a value
-        self.head_size = max(qk_size, self.v_size)
-        self.attn = Attention(self.num_heads, self.head_size, self.num_heads, mla_softmax_scale(config),
-                              None, layer_index)
+        # the cache's entry: the latent, then the rotary key; the latent is every head's value
+        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank + self.rope_size, self.kv_lora_rank,
+                                    mla_softmax_scale(config), layer_index)
+        self._dequantized_up: torch.Tensor | None = None  # kv_b_proj's weight, for a quantized kv_b_proj
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         tokens, heads = hidden.shape[0], self.num_heads
         q_nope, q_rot = self._query(hidden).view(tokens, heads, -1).split([self.nope_size, self.rope_size], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_size], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous())).view(tokens, heads, -1)
-        k_nope, value = kv.split([self.nope_size, self.v_size], dim=-1)
         q_rot, k_rot = self.rotary_emb(positions, self._rope_layout(q_rot),
                                        self._rope_layout(k_rot.reshape(tokens, 1, self.rope_size)))
-        query = self._pad(torch.cat([q_nope, q_rot], dim=-1))
-        key = self._pad(torch.cat([k_nope, k_rot.expand(tokens, heads, self.rope_size)], dim=-1))
-        out = self.attn(query.reshape(tokens, -1), key.reshape(tokens, -1), self._pad(value).reshape(tokens, -1),
-                        metadata)
-        out = out.view(tokens, heads, self.head_size)[..., : self.v_size]
+        key_up, value_up = self._up_projections(hidden)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # W_UK absorbed: [T, heads, latent]
+        query = torch.cat([q_latent, q_rot], dim=-1)
+        entry = torch.cat([self.kv_a_layernorm(latent.contiguous()), k_rot.reshape(tokens, self.rope_size)], dim=-1)
+        out = self.attn(query.reshape(tokens, -1), entry, metadata).view(tokens, heads, self.kv_lora_rank)
+        out = torch.bmm(out.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)  # W_UV: [T, heads, v]
         return self.o_proj(out.reshape(tokens, heads * self.v_size))
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,7 +138,19 @@ class MLAttention(nn.Module):
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
         return deinterleave(x) if self.rope_interleaved else x.contiguous()
 
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        """Zero features up to the cache's head size (they add nothing to a score)."""
-        missing = self.head_size - x.shape[-1]
-        return F.pad(x, (0, missing)) if missing else x.contiguous()
+    def _up_projections(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s key half ``W_UK`` [heads, nope, latent] and value half ``W_UV``
+        [heads, v, latent], views of its weight [heads * (nope + v), latent]."""
+        weight = self._up_weight(like).view(self.num_heads, self.nope_size + self.v_size, self.kv_lora_rank)
+        key_up, value_up = weight.split([self.nope_size, self.v_size], dim=1)
+        return key_up, value_up
+
+    def _up_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """The float layer's own weight (nothing copied, never stale); a quantized layer's,
+        dequantized once by applying it to the identity (whatever its method), in ``like``'s dtype."""
+        if isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
+            return cast(torch.Tensor, self.kv_b_proj.weight)
+        if self._dequantized_up is None:
+            identity = torch.eye(self.kv_lora_rank, dtype=like.dtype, device=like.device)
+            self._dequantized_up = self.kv_b_proj(identity).T.contiguous()
+        return self._dequantized_up
