@@ -103,6 +103,16 @@ def test_expert_parallelism_is_a_flag_beside_the_tensor_parallel_size():
     assert engine.tensor_parallel_size == 2 and engine.enable_expert_parallel is True
 
 
+def test_load_balancing_is_a_flag_and_its_options_json():
+    app, received = probe(EngineConfig)
+    run(app, ["--tensor-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+              '{"num_redundant_experts": 2, "step_interval": 50}'])
+    engine, _ = received[0]
+    assert engine.enable_eplb is True
+    assert (engine.eplb_config.num_redundant_experts, engine.eplb_config.step_interval) == (2, 50)
+    assert "needs enable_expert_parallel" in run(app, ["--enable-eplb"], exit_code=2)
+
+
 @pytest.mark.parametrize(("args", "flag", "reason"), [
     (["--max-num-seqs", "0"], "--max-num-seqs", "greater than or equal to 1"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory", "not a memory size"),

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.eplb.config import EPLBConfig, check_eplb_options
 from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.multimodal.fetch import MediaFetchPolicy
 from tokenmill.spec_decode.config import SpeculativeConfig
@@ -109,6 +110,15 @@ class EngineConfig(BaseModel):
         False, description="MoE layers place whole experts on the tensor-parallel ranks (expert i of E on one "
                            "rank, a contiguous share each) instead of splitting every expert; with one rank it "
                            "changes nothing", json_schema_extra=cli(_RUN))
+    enable_eplb: bool = Field(
+        False, description="Expert-parallel load balancing (needs enable_expert_parallel): copies of the most loaded "
+                           "experts in eplb_config.num_redundant_experts extra slots, each token sent to the least "
+                           "loaded copy, the placement recomputed from the measured load every "
+                           "eplb_config.step_interval steps while serving", json_schema_extra=cli(_RUN))
+    eplb_config: EPLBConfig = Field(
+        default_factory=EPLBConfig, description="The load balancer's options, as JSON: {\"num_redundant_experts\": 2, "
+                                                "\"window_size\": 1000, \"step_interval\": 3000}",
+        json_schema_extra=cli(_RUN))
     distributed_executor_backend: str = Field(
         "uni", description="Executor that runs the model's workers, by its registered name (see `tokenmill plugins`; "
                           "default: uni, one worker in the engine's own process, or mp, one process per rank, "
@@ -216,6 +226,11 @@ class EngineConfig(BaseModel):
                              "adapter in a device slot is also kept in host memory")
         if self.enable_lora and self.pipeline_parallel_size > 1:  # rank 0 alone cannot check every layer's targets
             raise ValueError("LoRA under pipeline parallelism is not supported yet")
+        return self
+
+    @model_validator(mode="after")
+    def _check_eplb(self) -> EngineConfig:
+        check_eplb_options(self.enable_eplb, self.enable_expert_parallel, self.eplb_config)
         return self
 
     @model_validator(mode="after")

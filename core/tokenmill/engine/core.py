@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.micro_batches import MicroBatches
 from tokenmill.engine.model_info import ModelInfo
 from tokenmill.engine.runner import choose_runner
+from tokenmill.eplb.config import check_eplb
 from tokenmill.errors import ModelNotFoundError
 from tokenmill.executor import Executor, create_executor
 from tokenmill.executor.expert_parallel import check_expert_parallel
@@ -65,6 +66,7 @@ class EngineCore:
                                                                      self.checkpoint.tokenizer)
         check_tensor_parallel(self.checkpoint.text_config, config.tensor_parallel_size)  # before any worker starts
         check_expert_parallel(self.checkpoint.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
+        check_eplb(self.checkpoint.text_config, config.tensor_parallel_size, config.enable_eplb, config.eplb_config)
         if config.speculative_config is not None:  # a bad config fails the start, before any worker
             check_speculative_config(config.speculative_config, self.plugins, int(self.checkpoint.text_config.vocab_size),
                                      self.max_model_len, config.tensor_parallel_size)

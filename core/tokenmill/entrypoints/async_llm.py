@@ -41,7 +41,7 @@ from tokenmill.entrypoints.engine_client import EngineProcessClient
 from tokenmill.entrypoints.scoring import check_classifier
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads
+from tokenmill.metrics.expert_load import ExpertLoadStatLogger, engine_expert_loads, engine_expert_replicas
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import finish_embedding
@@ -304,7 +304,8 @@ class AsyncLLM:
             self.engine.forward_expert_loads(ExpertLoadStatLogger(None, model_name, registry), interval_s)
             return
         local = self._local
-        self.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(local), model_name, registry, interval_s))
+        self.add_stat_logger(ExpertLoadStatLogger(lambda: engine_expert_loads(local), model_name, registry, interval_s,
+                                                  read_replicas=lambda: engine_expert_replicas(local)))
 
     def shutdown(self) -> None:
         if isinstance(self.engine, EngineProcessClient):

@@ -37,7 +37,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.lora.request import LoRARequest
-from tokenmill.metrics.expert_load import ExpertLoadReads, engine_expert_loads
+from tokenmill.metrics.expert_load import ExpertLoadReads, engine_expert_loads, engine_expert_replicas
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 from tokenmill.outputs import RequestOutput
 
@@ -67,9 +67,10 @@ class _ForwardingStatLogger:
     def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
         # the MoE counters live on this process's device: read them here (when it is time) and
         # send them along, for the API side's ExpertLoadStatLogger
-        loads = self.expert_loads.poll(scheduler) if self.expert_loads is not None else None
-        if loads is not None:
-            iteration = dataclasses.replace(iteration, expert_loads=loads)
+        reads = self.expert_loads
+        loads = reads.poll(scheduler) if reads is not None else None
+        if reads is not None and loads is not None:
+            iteration = dataclasses.replace(iteration, expert_loads=loads, expert_replicas=reads.replicas)
         self.records.append((scheduler, iteration))
 
     def take(self) -> list[tuple[SchedulerSnapshot, IterationStats]]:
@@ -195,7 +196,8 @@ class _EngineLoop:
 
     def _forward_expert_loads(self, interval_s: float) -> None:
         self._forward_stats(None)
-        self.stats.expert_loads = ExpertLoadReads(lambda: engine_expert_loads(self.engine), interval_s)
+        self.stats.expert_loads = ExpertLoadReads(lambda: engine_expert_loads(self.engine), interval_s,
+                                                  lambda: engine_expert_replicas(self.engine))
 
     # -- LoRA adapters: read off the step loop, as AsyncLLM's in-thread mode does ------
     def _start_lora_load(self, call_id: int, request: LoRARequest) -> bool:

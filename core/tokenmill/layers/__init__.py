@@ -7,6 +7,7 @@ from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.communicator import Communicator
 from tokenmill.layers.embedding import EmbeddingMethod, VocabEmbedding
 from tokenmill.layers.expert_parallel import ExpertPlacement
+from tokenmill.layers.expert_replicas import ReplicatedExperts
 from tokenmill.layers.latent_attention import LatentAttention
 from tokenmill.layers.linear import (
     Linear,
@@ -93,6 +94,7 @@ __all__ = [
     "PipelineStage",
     "QuantizationConfig",
     "RMSNorm",
+    "ReplicatedExperts",
     "RotaryEmbedding",
     "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",

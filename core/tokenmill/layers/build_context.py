@@ -9,6 +9,8 @@ layers shard over (``rank`` of ``world_size``); ``comm`` runs its collectives
 (a group of one: every collective is a no-op, and the layers are unsplit).
 ``expert_parallel``: the MoE layers place whole experts on the group's ranks instead of
 splitting each expert (:mod:`tokenmill.layers.expert_parallel`).
+``redundant_experts`` (not None: expert-parallel load balancing is on) gives them that many extra
+slots for copies of the hottest experts (:mod:`tokenmill.layers.expert_replicas`).
 ``pipeline`` is the pipeline stage this rank builds (:mod:`tokenmill.layers.pipeline`: which
 decoder layers, whether the embedding or the lm_head; one stage: all of them).
 """
@@ -55,6 +57,7 @@ class ModelBuildContext:
     shared: dict[Any, nn.Module] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     pipeline: PipelineStage = dataclasses.field(default=SINGLE_STAGE, compare=False)
     expert_parallel: bool = False
+    redundant_experts: int | None = None
 
     def child(self, name: str) -> ModelBuildContext:
         """The context of submodule ``name``: ``ctx.child("layers.3")`` under prefix

@@ -57,3 +57,11 @@ class ExpertPlacement:
         local = topk_ids - self.first
         tokens, slots = torch.nonzero((local >= 0) & (local < self.count), as_tuple=True)
         return tokens, slots, local[tokens, slots]
+
+    def local_slots(self, expert: int) -> tuple[int, ...]:
+        """Where in this rank's stack expert ``expert`` is (none: another rank's)."""
+        return (expert - self.first,) if self.holds(expert) else ()
+
+    def expert_at(self, slot: int) -> int:
+        """The global id of the expert at index ``slot`` of this rank's stack, as errors name it."""
+        return self.first + slot

@@ -31,6 +31,7 @@ from torch import nn
 
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.expert_parallel import ExpertPlacement
+from tokenmill.layers.expert_replicas import ReplicatedExperts
 from tokenmill.layers.moe_routing import MoERouting, select_experts
 from tokenmill.layers.ops import layer_ops
 
@@ -86,6 +87,8 @@ class ExpertShardLoader:
     dimension is cut out first. Under expert parallelism the stack holds this rank's experts only:
     ``expert_id`` indexes that stack (global id ``expert_offset + expert_id``, as names and errors
     give it), and a whole stack's ``local_experts`` experts from ``expert_offset`` are cut out.
+    Under expert-parallel load balancing the stack is the rank's slots: ``slot_experts`` gives
+    the global id of each (an expert may fill several), and a whole stack's rows are picked by it.
     ``loaded`` records what came (by stack index), for the completeness check.
     """
 
@@ -96,6 +99,7 @@ class ExpertShardLoader:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # as the checkpoint names them
     expert_offset: int = 0  # the global id of the stack's first expert
     local_experts: int | None = None  # experts in the stack, when fewer than the checkpoint's (None: all)
+    slot_experts: tuple[int, ...] | None = None  # the global id at each stack index, when not a run (EPLB)
     loaded: set[tuple[int | None, str]] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None,
@@ -109,7 +113,7 @@ class ExpertShardLoader:
             target = param.data if expert_id is None else param.data[expert_id]
             source = self._rank_part(part, part.dim() - 1, part.shape[-1] if part.dim() else 0)
         if target.shape != source.shape:
-            expert = "" if expert_id is None else f"expert {self.expert_offset + expert_id} of "
+            expert = "" if expert_id is None else f"expert {self.global_id(expert_id)} of "
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit {expert}"
                              f"{self.prefix}.{'gate_up_proj' if layout == 'gate_up' else 'down_proj'} "
                              f"(expects {tuple(target.shape)} on this rank)")
@@ -133,6 +137,8 @@ class ExpertShardLoader:
 
     def _own_experts(self, stack: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole checkpoint stack (a stack that is too short fails the shape check)."""
+        if self.slot_experts is not None and stack.dim() and stack.shape[0] > max(self.slot_experts):
+            return stack[torch.tensor(self.slot_experts, device=stack.device)]
         if self.local_experts is None or stack.dim() == 0 or stack.shape[0] < self.expert_offset + self.local_experts:
             return stack
         return stack.narrow(0, self.expert_offset, self.local_experts)
@@ -143,11 +149,15 @@ class ExpertShardLoader:
         size = total // self.world_size
         return loaded.narrow(dim, self.rank * size, size)
 
+    def global_id(self, expert_id: int) -> int:
+        """The checkpoint's id of the expert at index ``expert_id`` of the stack."""
+        return self.slot_experts[expert_id] if self.slot_experts is not None else self.expert_offset + expert_id
+
     def tensor_name(self, layout: str, shard_id: int | None, expert_id: int | None) -> str:
         """The checkpoint tensor a load is for, as the errors name it."""
         if expert_id is None:
             return f"{self.prefix}.{'gate_up_proj' if layout == 'gate_up' else 'down_proj'}"
-        expert_id += self.expert_offset
+        expert_id = self.global_id(expert_id)
         if layout == "down":
             return f"{self.prefix}.{expert_id}.{self.expert_names[2]}.weight"
         if shard_id in (0, 1):
@@ -168,7 +178,11 @@ class FusedMoE(nn.Module):
     Built with ``ctx.expert_parallel`` over several ranks, the layer holds ``placement``'s
     whole experts (``num_local_experts`` of the ``num_experts``, global ids from
     ``placement.first``) at the full intermediate size; ``forward``'s contract is unchanged.
-    ``num_experts``, routing and the ``expert_load`` counters stay global."""
+    ``num_experts``, routing and the ``expert_load`` counters stay global. With
+    ``ctx.redundant_experts`` set too (expert-parallel load balancing), ``placement`` is a
+    :class:`~tokenmill.layers.expert_replicas.ReplicatedExperts`: the stack's rows are slots, an
+    expert may fill several (on this rank or others), and the balancer moves experts between
+    slots while serving (:mod:`tokenmill.eplb`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: MoERouting, *,
                  ctx: ModelBuildContext | None = None, quant_method: FusedMoEMethod | None = None,
@@ -179,8 +193,12 @@ class FusedMoE(nn.Module):
         if routing.top_k > num_experts:
             raise ValueError(f"num_experts_per_tok {routing.top_k} exceeds the {num_experts} experts")
         expert_parallel = ctx.expert_parallel and ctx.world_size > 1
-        self.placement = (ExpertPlacement.for_rank(num_experts, ctx.rank, ctx.world_size) if expert_parallel
-                          else ExpertPlacement(num_experts))
+        self.placement: ExpertPlacement | ReplicatedExperts
+        if expert_parallel and ctx.redundant_experts is not None:
+            self.placement = ReplicatedExperts.for_rank(num_experts, ctx.redundant_experts, ctx.rank, ctx.world_size)
+        else:
+            self.placement = (ExpertPlacement.for_rank(num_experts, ctx.rank, ctx.world_size) if expert_parallel
+                              else ExpertPlacement(num_experts))
         split = 1 if expert_parallel else ctx.world_size  # ranks each expert's intermediate dimension splits over
         if intermediate_size % split:
             raise ValueError(f"{ctx.prefix}: an expert intermediate size of {intermediate_size} does not split "
@@ -194,9 +212,11 @@ class FusedMoE(nn.Module):
         self.expert_names = expert_names
         self.comm = ctx.comm
         self.reduce_results = reduce_results
+        first = self.placement.first if isinstance(self.placement, ExpertPlacement) else 0
         self.loader = ExpertShardLoader(ctx.prefix, self.intermediate_size_per_rank, 0 if expert_parallel else ctx.rank,
-                                        split, expert_names, expert_offset=self.placement.first,
-                                        local_experts=self.placement.count if expert_parallel else None)
+                                        split, expert_names, expert_offset=first,
+                                        local_experts=self.placement.count if expert_parallel else None,
+                                        slot_experts=_slot_experts(self.placement))
         self.register_parameter("e_score_correction_bias", None)
         if routing.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
@@ -257,9 +277,9 @@ class FusedMoE(nn.Module):
             if not isinstance(param, nn.Parameter) or getattr(param, "weight_loader", None) is None:
                 raise KeyError(f"checkpoint tensor '{self.prefix}.{name}' has no per-expert parameter in the "
                                f"MoE layer (its method is {type(self.quant_method).__name__})")
-            if self.placement.holds(expert):  # (another rank's expert is that rank's to load)
+            for slot in self.placement.local_slots(expert):  # (none: another rank's expert, that rank's to load)
                 param.weight_loader(param, tensor, shard,  # type: ignore[attr-defined]  # checked above
-                                    expert_id=expert - self.placement.first)
+                                    expert_id=slot)
             return param_name
         params = dict(self.named_parameters(recurse=False))
         if name not in params:
@@ -298,7 +318,7 @@ class FusedMoE(nn.Module):
                 for shard, checkpoint_name in names.items():
                     key = layout if shard is None else f"{layout}.{shard}"
                     if (local, key) not in done:
-                        missing.append(f"{self.prefix}.{self.placement.first + local}.{checkpoint_name}.weight")
+                        missing.append(f"{self.prefix}.{self.placement.expert_at(local)}.{checkpoint_name}.weight")
         return missing
 
 
@@ -348,3 +368,8 @@ def load_imbalance(load: list[int]) -> float:
     """Max over mean tokens per expert (1.0: perfectly balanced; 0.0 before any token)."""
     total = sum(load)
     return max(load) * len(load) / total if total else 0.0
+
+
+def _slot_experts(placement: ExpertPlacement | ReplicatedExperts) -> tuple[int, ...] | None:
+    """The global id at each index of the layer's stack, where that is not one contiguous run."""
+    return tuple(placement.local_experts) if isinstance(placement, ReplicatedExperts) else None

@@ -89,7 +89,7 @@ def expert_tensor_name(layer: FusedMoE, stack: str, shard_id: int | None, expert
     if expert_id is None:
         return f"{layer.prefix}.{stack}_{leaf}"
     projection = layer.expert_names[2] if stack == "down_proj" else layer.expert_names[shard_id or 0]
-    return f"{layer.prefix}.{layer.placement.first + expert_id}.{projection}.{leaf}"
+    return f"{layer.prefix}.{layer.placement.expert_at(expert_id)}.{projection}.{leaf}"
 
 
 def missing_expert_tensors(layer: FusedMoE, loaded: set[tuple[int, str, int | None, str]],

@@ -80,6 +80,8 @@ class IterationStats:
     # MoE layer -> tokens routed to each expert, since start: filled only by an engine in its own
     # process, when it read its counters this step (``ExpertLoadReads``), to carry them to the API side
     expert_loads: dict[str, list[int]] | None = None
+    # MoE layer -> copies of each expert (expert-parallel load balancing), read with expert_loads
+    expert_replicas: dict[str, list[int]] | None = None
 
 
 @dataclass

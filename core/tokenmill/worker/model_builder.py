@@ -36,7 +36,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                 progress: bool = False, *, quant_config: QuantizationConfig | None = None,
                 comm: Communicator = SINGLE_RANK, stage: PipelineStage = SINGLE_STAGE,
-                expert_parallel: bool = False) -> CausalLM:
+                expert_parallel: bool = False, redundant_experts: int | None = None) -> CausalLM:
     """Instantiate ``model_cls`` directly on ``device`` in ``dtype`` and load its weights.
 
     The model is built as ``model_cls(hf_config, ctx=ModelBuildContext(...))``
@@ -47,10 +47,12 @@ def build_model(model_cls: type, checkpoint: Checkpoint, device: torch.device, d
     ``stage``: the pipeline stage it builds the layers of (one stage: all of them);
     ``expert_parallel``: its MoE layers hold whole experts, a share of them, rather than a
     slice of every expert (the checkpoint's tensors of other ranks' experts are not read).
+    ``redundant_experts`` (not None: expert-parallel load balancing): their extra slots for copies.
     """
     ctx = ModelBuildContext(hf_config=checkpoint.hf_config, quant_config=quant_config, rank=comm.rank,
                             world_size=comm.world_size, process_group=comm.group, comm=comm, params_dtype=dtype,
-                            layer_ops=layer_ops(device), pipeline=stage, expert_parallel=expert_parallel)
+                            layer_ops=layer_ops(device), pipeline=stage, expert_parallel=expert_parallel,
+                            redundant_experts=redundant_experts)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(checkpoint.hf_config, ctx=ctx)
     kv_scales = KVScales()

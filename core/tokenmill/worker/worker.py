@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionRequirements, create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.eplb.rebalance import expert_rebalancer
 from tokenmill.kv_cache.fp8 import kv_cache_torch_dtype
 from tokenmill.kv_transfer.connector import KVConnectorContext
 from tokenmill.kv_transfer.registry import build_worker_connector
@@ -77,6 +78,8 @@ class Worker:
         self.runner = create_model_runner(spec.config, platform, self.plugins, checkpoint, dtype, spec.max_model_len,
                                           progress=progress and spec.rank == 0, samples=spec.samples,
                                           comm=groups.tensor, stage=groups.stage)
+        # expert-parallel load balancing (enable_eplb): moves experts between the ranks every N steps
+        self.eplb = expert_rebalancer(spec.config, cast(nn.Module, self.runner.model), groups.tensor)
 
     def execute_method(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
@@ -111,6 +114,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """The step's forward; its output comes from :meth:`sample_tokens`."""
         start = time.perf_counter()
+        if self.eplb is not None:  # before the forward: a rebalance lands between two steps
+            self.eplb.before_step(scheduler_output.total_num_scheduled_tokens)
         self.runner.execute_model(scheduler_output)
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
@@ -135,6 +140,10 @@ class Worker:
                 "step_seconds": self.step_seconds, "steps": float(self.steps),
                 "stage": float(self.stage.rank), "pipeline_blocked_seconds": self.stage.comm.blocked.seconds}
 
+    def eplb_stats(self) -> dict[str, Any] | None:
+        """What expert-parallel load balancing did on this rank and the placements now (None: off)."""
+        return self.eplb.stats() if self.eplb is not None else None
+
     def lora_targets(self) -> Any:
         """The layers LoRA adapters may target and their shapes (a ``LoRATargetTable``; None without LoRA)."""
         return self.runner.lora.targets if self.runner.lora is not None else None
@@ -156,7 +165,8 @@ def create_model_runner(config: EngineConfig, platform: Any, plugins: PluginMana
     device = platform.device()
     quant_config = resolve_quant_config(checkpoint, plugins, platform, config.quantization)
     model = build_model(model_cls, checkpoint, device, dtype, progress=progress, quant_config=quant_config, comm=comm,
-                        stage=stage, expert_parallel=config.enable_expert_parallel)
+                        stage=stage, expert_parallel=config.enable_expert_parallel,
+                        redundant_experts=config.eplb_config.num_redundant_experts if config.enable_eplb else None)
     # the layers the backend serves (a latent layer, tokenmill.attention.kv_spec, reads its own cache)
     layers = [m for m in model.modules() if isinstance(m, Attention) and m.kv_cache_spec.kind == "kv"]
     needs = AttentionRequirements(

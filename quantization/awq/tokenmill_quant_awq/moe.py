@@ -90,7 +90,7 @@ class AwqFusedMoEMethod:
         target = expert if shard_id is None else expert.narrow(1, shard_id * columns, columns)
         if loaded.shape != target.shape:
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
-                             f"{layer.placement.first + expert_id} of {layer.prefix}.{stack}_{leaf} "
+                             f"{layer.placement.expert_at(expert_id)} of {layer.prefix}.{stack}_{leaf} "
                              f"(expects {tuple(target.shape)}{' on this rank' if self.world_size > 1 else ''}; "
                              f"group_size {self.group_size})")
         target.copy_(loaded.float() if leaf == "scales" else awq_to_natural(loaded))

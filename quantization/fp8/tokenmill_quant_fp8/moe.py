@@ -66,7 +66,7 @@ class Fp8SerializedMoEMethod(OnlineQuantizedMoEMethod):
             scale = cast(torch.nn.Parameter, getattr(layer, f"{name}_weight_scale"))
             missing = scale.isnan().any(dim=1).nonzero().flatten().tolist()
             if missing:
-                expert = layer.placement.first + missing[0]  # (its global id under expert parallelism)
+                expert = layer.placement.expert_at(missing[0])  # (its global id under expert parallelism)
                 raise ValueError(f"{layer.prefix}: the checkpoint has no weight_scale for expert {expert}'s "
                                  f"{name} ({len(missing)} expert(s) without one)")
             layer.register_parameter(f"{name}_scale", scale)  # the name the online method's apply reads

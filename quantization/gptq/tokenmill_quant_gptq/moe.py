@@ -141,7 +141,7 @@ class GptqFusedMoEMethod:
         target = expert if shard_id is None else expert.narrow(1, shard_id * width, width)
         if source.shape != target.shape:
             raise ValueError(f"{name}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit expert "
-                             f"{layer.placement.first + expert_id} of {layer.prefix}.{stack}_{leaf} "
+                             f"{layer.placement.expert_at(expert_id)} of {layer.prefix}.{stack}_{leaf} "
                              f"(expects {tuple(target.shape)}"
                              f"{' unpacked' if leaf == 'qzeros' else ''}{' on this rank' if self.world_size > 1 else ''}; "
                              f"group_size {self.scheme.group_size})")
