@@ -20,6 +20,9 @@ SLOW_SECONDS = 10.0  # far past the tests' fetch timeouts; released early when t
 class MediaServer:
     url: str  # http://127.0.0.1:PORT
     png: bytes  # what /seven.png serves: random_image(7) as a PNG
+    # /held.png: set when it is asked for; it answers (the PNG) once the test sets release_held
+    held_requested: threading.Event
+    release_held: threading.Event
 
     def at(self, path: str, host: str = "127.0.0.1") -> str:
         return self.url.replace("127.0.0.1", host) + path
@@ -35,13 +38,14 @@ def png_bytes(image) -> bytes:
 def media_server() -> Iterator[MediaServer]:
     png = png_bytes(random_image(7))
     release = threading.Event()
+    held_requested, release_held = threading.Event(), threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             route = {"/seven.png": self._png, "/redirect": lambda: self._redirect("/seven.png"),
                      "/loop": lambda: self._redirect("/loop"),
                      "/elsewhere": lambda: self._redirect(f"http://127.0.0.1:{self.server.server_address[1]}/seven.png"), "/page.html": self._html,
-                     "/endless.png": self._endless, "/slow.png": self._slow}.get(self.path)
+                     "/endless.png": self._endless, "/slow.png": self._slow, "/held.png": self._held}.get(self.path)
             if route is None:
                 self.send_error(404, "no such media")
             else:
@@ -78,6 +82,14 @@ def media_server() -> Iterator[MediaServer]:
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
+        def _held(self) -> None:
+            held_requested.set()
+            release_held.wait(SLOW_SECONDS)
+            try:
+                self._answer(png, "image/png")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
         def _answer(self, body: bytes, content_type: str) -> None:
             self.send_response(200)
             self.send_header("Content-Type", content_type)
@@ -93,8 +105,9 @@ def media_server() -> Iterator[MediaServer]:
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield MediaServer(f"http://127.0.0.1:{httpd.server_address[1]}", png)
+        yield MediaServer(f"http://127.0.0.1:{httpd.server_address[1]}", png, held_requested, release_held)
     finally:
         release.set()
+        release_held.set()
         httpd.shutdown()
         httpd.server_close()

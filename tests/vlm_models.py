@@ -233,3 +233,80 @@ def decoded_frames(path: Path, fps: float) -> Any:
     count = min(max(total / rate * fps, 4), math.floor(total / 2) * 2, total)
     count = math.floor(count / 2) * 2
     return frames[np.arange(0, total, total / count).astype(np.int32)]
+
+
+# -- Gemma 3 -------------------------------------------------------------------
+GEMMA3_IMAGE_SIZE, GEMMA3_PATCH = 32, 4  # an 8x8 patch grid, pooled to 4x4: 16 tokens an image
+GEMMA3_IMAGE_TOKENS = 16
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+GEMMA3_IMAGE = GEMMA3_TOKENS["boi_token"]  # the placeholder the processor expands
+
+
+def build_gemma3(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Gemma 3 with images (a 2-layer SigLIP tower 32 wide, the projector, and a
+    3-layer Gemma 3 text decoder whose sliding layers see 8 tokens, fewer than an image's 16) and
+    its Gemma3Processor, saved as a real folder is. The norms, head and projection are widened
+    (transformers starts Gemma's norms at 0 and the projection at 0) so that images and the
+    bidirectional mask over their tokens show in the greedy tokens."""
+    import torch
+    import transformers
+    from family_models import GEMMA_ROPE
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = build_tokenizer(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>",
+                                                     eos_token="</s>", pad_token="<pad>",
+                                                     extra_special_tokens=dict(GEMMA3_TOKENS),
+                                                     chat_template=tokenizer.chat_template)
+    tokenizer.save_pretrained(folder)
+    boi, image, eoi = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS.values())
+    text = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3, "head_dim": 16,
+                                            "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                            "layer_types": ["sliding_attention", "full_attention",
+                                                            "sliding_attention"],
+                                            "rope_parameters": GEMMA_ROPE, "tie_word_embeddings": False})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=GEMMA3_IMAGE_SIZE,
+                                             patch_size=GEMMA3_PATCH, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                                       boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+                                       tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("norm" in name and "language_model" in name) or "mm_soft_emb_norm" in name:
+                param.normal_(0.0, 0.3)  # w, applied as 1 + w
+        model.lm_head.weight.normal_(0, 0.5)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                             image_seq_length=GEMMA3_IMAGE_TOKENS,
+                                             chat_template=tokenizer.chat_template)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def hf_gemma3_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_tokens: int,
+                     bidirectional: bool = True) -> list[list[int]]:
+    """Greedy tokens of transformers' Gemma 3 for each ``(text, images)``, one prompt at a time;
+    ``bidirectional`` False drops the processor's ``token_type_ids``, so its image tokens attend
+    causally (what the engine must not do)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    results = []
+    with torch.no_grad():
+        for text, images in prompts:
+            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
+            if not bidirectional:
+                inputs.pop("token_type_ids", None)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=COMMON["pad_token_id"])
+            results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return results

@@ -6,7 +6,9 @@ loops, or names a host outside --allowed-media-domains is a 400 naming it, and t
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from conftest import API_KEY
@@ -33,11 +35,15 @@ def llava_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vlm_client(start_server, llava_path):
-    server = start_server([str(llava_path), "--served-model-name", VLM, "--max-model-len", str(MAX_MODEL_LEN),
-                           "--kv-cache-memory", "16MiB", "--dtype", "float32", *FETCH_ARGS],
-                          env={"TOKENMILL_API_KEY": API_KEY})
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def vlm_server(start_server, llava_path):
+    return start_server([str(llava_path), "--served-model-name", VLM, "--max-model-len", str(MAX_MODEL_LEN),
+                         "--kv-cache-memory", "16MiB", "--dtype", "float32", *FETCH_ARGS],
+                        env={"TOKENMILL_API_KEY": API_KEY})
+
+
+@pytest.fixture(scope="module")
+def vlm_client(vlm_server):
+    return openai.OpenAI(base_url=f"{vlm_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def _user(url: str) -> list[dict]:
@@ -73,3 +79,23 @@ def test_a_bad_http_image_is_a_400_naming_it(vlm_client, media, path, host, reas
     assert caught.value.status_code == 400
     assert url in str(caught.value) and reason in str(caught.value)
     assert _answer(vlm_client, media.at("/seven.png"))  # the server goes on
+
+
+def test_tokenize_fetches_http_media_off_the_event_loop(vlm_server, media):
+    """``/tokenize`` of messages naming an http(s) image downloads it on a worker thread, as chat
+    does: while the media server holds that download (until this test lets it go), the server
+    answers another request, and the held download then completes within the 1 s fetch limit.
+    A fetch on the event loop would hold the other request until the fetch timed out, and the
+    first would be a 400."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=vlm_server.url, headers=headers, timeout=60) as first, \
+            httpx.Client(base_url=vlm_server.url, headers=headers, timeout=60) as second, \
+            ThreadPoolExecutor(1) as pool:
+        held = pool.submit(first.post, "/tokenize", json={"model": VLM, "messages": _user(media.at("/held.png"))})
+        assert media.held_requested.wait(30)
+        other = second.post("/tokenize", json={"model": VLM, "prompt": "The quick brown fox"})
+        media.release_held.set()
+        response = held.result()
+    assert other.status_code == 200, other.text
+    assert response.status_code == 200, response.text
+    assert response.json()["count"] > 0

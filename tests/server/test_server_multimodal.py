@@ -1,15 +1,18 @@
 """Chat with images over real HTTP (the openai client): data: URLs and file:// paths give the
-Python API's greedy answer; bad image input is a 400 naming the problem, and the server goes on."""
+Python API's greedy answer (LLaVA, and Gemma 3 once); bad image input is a 400 naming the problem,
+and the server goes on; the encoder cache and budget counters reach /metrics."""
 
 from __future__ import annotations
 
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 from conftest import API_KEY
-from vlm_models import build_llava, random_image
+from prometheus_client.parser import text_string_to_metric_families
+from vlm_models import GEMMA3_IMAGE, GEMMA3_IMAGE_TOKENS, build_gemma3, build_llava, random_image
 
 from tokenmill import LLM, SamplingParams
 
@@ -31,12 +34,17 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vlm_client(start_server, llava_path, media_dir):
-    server = start_server([str(llava_path), "--served-model-name", VLM, "--max-model-len", str(MAX_MODEL_LEN),
-                           "--kv-cache-memory", "16MiB", "--dtype", "float32", "--allowed-local-media-path",
-                           str(media_dir), "--limit-mm-per-prompt", '{"image": 3}'],
-                          env={"TOKENMILL_API_KEY": API_KEY})
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def vlm_server(start_server, llava_path, media_dir):
+    """An encoder budget of one image a step (16 rows): a prompt's second image waits a step."""
+    return start_server([str(llava_path), "--served-model-name", VLM, "--max-model-len", str(MAX_MODEL_LEN),
+                         "--kv-cache-memory", "16MiB", "--dtype", "float32", "--allowed-local-media-path",
+                         str(media_dir), "--limit-mm-per-prompt", '{"image": 3}',
+                         "--max-num-encoder-input-tokens", "16"], env={"TOKENMILL_API_KEY": API_KEY})
+
+
+@pytest.fixture(scope="module")
+def vlm_client(vlm_server):
+    return openai.OpenAI(base_url=f"{vlm_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def _data_url(image, fmt: str = "PNG") -> str:
@@ -113,3 +121,49 @@ def test_responses_api_input_image_is_the_chat_answer(vlm_client):
         input=[{"role": "user", "content": [{"type": "input_image", "image_url": image},
                                             {"type": "input_text", "text": "The quick brown fox"}]}])
     assert response.output_text == chat.choices[0].message.content
+
+
+def _encoder_counters(server) -> dict[str, float]:
+    """The encoder counters of ``/metrics`` (Prometheus text, no key needed)."""
+    names = ("encoder_cache_queries", "encoder_cache_hits", "encoder_input_tokens", "encoder_budget_deferrals")
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {name: samples[f"tokenmill:{name}_total"] for name in names}
+
+
+def test_encoder_counters_reach_metrics(vlm_server, vlm_client):
+    """Two new images in one prompt encode 32 rows over two steps (the budget holds one: the
+    second waits, a deferral); a later prompt with the first image behind other text finds it in
+    the encoder cache."""
+    first, second = _data_url(random_image(21)), _data_url(random_image(22))
+    before = _encoder_counters(vlm_server)
+    vlm_client.chat.completions.create(messages=_user("Paged", _image_part(first), "attention",
+                                                      _image_part(second)), **GREEDY)
+    vlm_client.chat.completions.create(messages=_user("Other words first", _image_part(first)), **GREEDY)
+    after = _encoder_counters(vlm_server)
+    grown = {name: after[name] - before[name] for name in after}
+    assert grown["encoder_input_tokens"] == 32
+    assert grown["encoder_budget_deferrals"] >= 1
+    assert grown["encoder_cache_queries"] >= 3
+    assert grown["encoder_cache_hits"] >= 1
+
+
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory):
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-serve"))
+
+
+def test_gemma3_image_url_gives_the_python_api_answer(start_server, gemma3_path):
+    server = start_server([str(gemma3_path), "--served-model-name", "tiny-gemma3", "--kv-cache-memory", "16MiB",
+                           "--dtype", "float32"], env={"TOKENMILL_API_KEY": API_KEY})
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    image = random_image(4)
+    answer = client.chat.completions.create(messages=_user(_image_part(_data_url(image)), "The quick brown fox"),
+                                            **{**GREEDY, "model": "tiny-gemma3"})
+    llm = LLM(str(gemma3_path), dtype="float32")
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": f"{GEMMA3_IMAGE}The quick brown fox"}], tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}, "add_special_tokens": False}, params)
+    assert answer.choices[0].message.content == out[0].outputs[0].text
+    assert answer.usage.prompt_tokens > GEMMA3_IMAGE_TOKENS  # the image's tokens are counted

@@ -65,6 +65,15 @@ def chat_prompt_ids(state: ServerState, messages: Sequence[ChatMessage], renderi
     return list(state.tokenizer.encode(text, add_special_tokens=False))
 
 
+async def chat_prompt_ids_off_loop(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
+                                   ) -> list[int]:
+    """:func:`chat_prompt_ids` (for /tokenize and /v1/messages/count_tokens), on a worker thread when a message names an http(s)
+    image or video, as :func:`generate_chat_off_loop` does: the download never holds the event loop."""
+    if not any(names_remote_media(m.for_template()) for m in messages):
+        return chat_prompt_ids(state, messages, rendering)
+    return await asyncio.to_thread(chat_prompt_ids, state, messages, rendering)
+
+
 def chat_prompt(state: ServerState, messages: Sequence[ChatMessage], rendering: ChatRendering,
                 param: str = "messages") -> tuple[str, dict[str, list[Any]]]:
     """The rendered prompt text and its items by modality (images, videos' bytes), each part

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_cli.server.chat import chat_prompt_ids, generate_chat_off_loop
+from tokenmill_cli.server.chat import chat_prompt_ids_off_loop, generate_chat_off_loop
 from tokenmill_cli.server.errors import APIError, exception_body, output_error, streaming_responses
 from tokenmill_cli.server.lifecycle import check_admitting
 from tokenmill_cli.server.messages_events import BlockEvents, error_event
@@ -118,7 +118,7 @@ async def create_message(body: MessagesRequest, request: Request, state: State) 
 async def count_tokens(body: CountTokensRequest, state: State) -> JSONResponse:
     """The prompt's tokens, as ``/v1/messages`` would count them in ``usage.input_tokens``."""
     state.model_name(body.model)
-    ids = chat_prompt_ids(state, chat_messages(body.system, body.messages), rendering(body))
+    ids = await chat_prompt_ids_off_loop(state, chat_messages(body.system, body.messages), rendering(body))
     return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill_cli.server.chat import chat_prompt_ids
+from tokenmill_cli.server.chat import chat_prompt_ids_off_loop
 from tokenmill_cli.server.errors import ERROR_RESPONSES
 from tokenmill_cli.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from tokenmill_cli.server.responses import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse
@@ -23,7 +23,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
     """A prompt's token ids, or the ids of messages rendered as chat would render them."""
     state.model_name(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = chat_prompt_ids(state, body.messages, body)
+        tokens = await chat_prompt_ids_off_loop(state, body.messages, body)
     else:
         tokens = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)

@@ -8,10 +8,13 @@ device once; a backend may precompute its own extras from it once per step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.attention.item_blocks import BidirectionalBlock
 
 
 @dataclass
@@ -38,3 +41,6 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     backend_data: Any = None
+    # The images whose tokens attend to each other both ways this step (Gemma 3); None: all
+    # causal. See tokenmill.attention.item_blocks.
+    bidirectional_blocks: list[BidirectionalBlock] | None = None

@@ -26,6 +26,7 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model_loader.checkpoint import Checkpoint
 from tokenmill.model_loader.loader import default_model, load_checkpoint, registered_model_spec, resolve_model_class
+from tokenmill.multimodal.loading import computes_items_whole
 from tokenmill.platform import Platform, detect_platform, platform_is_thread_affine, resolve_dtype
 from tokenmill.plugins.manager import PluginManager, get_plugin_manager
 from tokenmill.plugins.options import plugin_option_specs, resolve_plugin_options
@@ -103,6 +104,7 @@ class EngineCore:
             steps_in_flight=config.pipeline_parallel_size,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             encoder_cache_size=config.mm_encoder_cache_size,
+            whole_mm_items=computes_items_whole(self.checkpoint, self.plugins),
         ), self.kv_manager, self.structured_output, self.lora,
             self._kv_connector())
         # Pipeline stages overlap on micro-batches: a step per stage in flight (engine.micro_batches)

@@ -45,6 +45,9 @@ class InputProcessor:
         self.max_pooling_prompt = 0
         # A multimodal model's processor (the model folder's own); None: prompts carry no images.
         self.multimodal: MultiModalProcessor | None = None
+        # The most tokens one item may take where each is computed whole in one step (Gemma 3's
+        # images: a step's token budget); 0: no bound.
+        self.max_mm_item_tokens = 0
 
     def process_prompt(self, prompt: PromptType, pooling: bool = False,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
@@ -65,8 +68,17 @@ class InputProcessor:
                 f"({sum(i.length for i in processed.mm_items)} of them image tokens), which leaves no room to "
                 f"generate within the model's context of {self.max_model_len} tokens (max_model_len)",
                 param="multi_modal_data")
+        self._check_item_sizes(processed.mm_items)
         self._validate(processed.token_ids, pooling)
         return processed
+
+    def _check_item_sizes(self, items: list[MultiModalItem]) -> None:
+        longest = max((item.length for item in items), default=0)
+        if self.max_mm_item_tokens and longest > self.max_mm_item_tokens:
+            raise InvalidRequestError(
+                f"an image takes {longest} tokens, more than the {self.max_mm_item_tokens} one step computes "
+                "(max_num_batched_tokens): this model attends within each image both ways, so an image is "
+                "computed in one step", param="multi_modal_data")
 
     def _truncation_length(self, truncate_prompt_tokens: int, pooling: bool) -> int:
         limit = self.max_pooling_prompt if pooling and self.max_pooling_prompt else self.max_model_len - 1

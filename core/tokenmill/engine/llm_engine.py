@@ -21,7 +21,7 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.model_loader.checkpoint import Checkpoint
-from tokenmill.multimodal.loading import multimodal_processor
+from tokenmill.multimodal.loading import computes_items_whole, multimodal_processor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugins.manager import PluginManager
 from tokenmill.request import Request, RequestStatus
@@ -220,6 +220,8 @@ def build_input_processor(checkpoint: Checkpoint, model_info: ModelInfo, plugins
     if model_info.is_encoder:
         processor.max_pooling_prompt = model_info.max_prompt_tokens
     processor.multimodal = multimodal_processor(checkpoint, plugins, config.limit_mm_per_prompt)
+    if processor.multimodal is not None and computes_items_whole(checkpoint, plugins):
+        processor.max_mm_item_tokens = config.max_num_batched_tokens
     return processor
 
 

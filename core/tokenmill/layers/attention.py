@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, KVCache
+from tokenmill.attention.item_blocks import attend_blocks
 from tokenmill.attention.kv_spec import KVCacheSpec
 from tokenmill.attention.metadata import AttentionMetadata
 
@@ -73,6 +74,8 @@ class Attention(nn.Module):
             self.kv_cache,
             metadata,
         )
+        if metadata.bidirectional_blocks and not getattr(self.backend, "supports_bidirectional_blocks", False):
+            out = attend_blocks(self, q.view(tokens, self.num_heads, self.head_size), out, self.kv_cache, metadata)
         if self.kv_connector is not None:
             self.kv_connector.save_kv_layer(self.kv_connector_index, self.kv_cache, metadata)
         return out.reshape(tokens, self.num_heads * self.head_size)

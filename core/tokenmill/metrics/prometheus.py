@@ -42,6 +42,10 @@ class PrometheusStatLogger:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.encoder_queries = counter("encoder_cache_queries", "Multimodal items looked up in the encoder cache")
         self.encoder_hits = counter("encoder_cache_hits", "Multimodal items found in the encoder cache")
+        self.encoder_tokens = counter("encoder_input_tokens", "Encoder input tokens (image placeholder rows) "
+                                      "scheduled to encode")
+        self.encoder_deferrals = counter("encoder_budget_deferrals", "Prefill chunks cut short or held back "
+                                         "because an image fit neither the step's encoder budget nor the encoder cache")
         self.external_hits = counter("prefix_cache_external_hits", "Prompt tokens loaded through the KV connector "
                                      "(a remote producer's KV, or an offload tier's)")
         self.waiting_for_kv = gauge("num_requests_waiting_for_remote_kvs", "Requests whose prompt KV is being "
@@ -80,7 +84,8 @@ class PrometheusStatLogger:
                        self.draft_tokens, self.accepted_tokens, self.ttft, self.itl, self.e2e, self.queue,
                        self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens,
                        self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load,
-                       self.encoder_queries, self.encoder_hits, self.external_hits, self.waiting_for_kv):
+                       self.encoder_queries, self.encoder_hits, self.external_hits, self.waiting_for_kv,
+                       self.encoder_tokens, self.encoder_deferrals):
             self._child[metric] = metric.labels(self.model)
         self._last = SchedulerSnapshot()
 
@@ -96,6 +101,9 @@ class PrometheusStatLogger:
         self._advance(self.preemptions, scheduler.num_preemptions - self._last.num_preemptions)
         self._advance(self.encoder_queries, scheduler.encoder_cache_queries - self._last.encoder_cache_queries)
         self._advance(self.encoder_hits, scheduler.encoder_cache_hits - self._last.encoder_cache_hits)
+        self._advance(self.encoder_tokens, scheduler.encoder_input_tokens - self._last.encoder_input_tokens)
+        self._advance(self.encoder_deferrals,
+                      scheduler.encoder_budget_deferrals - self._last.encoder_budget_deferrals)
         self._advance(self.external_hits, scheduler.prefix_cache_external_hits - self._last.prefix_cache_external_hits)
         child[self.waiting_for_kv].set(scheduler.num_waiting_for_remote_kvs)
         self._advance(self.draft_tokens,

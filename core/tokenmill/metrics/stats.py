@@ -31,6 +31,10 @@ class SchedulerSnapshot:
     prefix_cache_hits: int = 0  # tokens found, since start
     encoder_cache_queries: int = 0  # multimodal items looked up in the encoder cache, since start
     encoder_cache_hits: int = 0  # of those, found (not encoded again)
+    encoder_input_tokens: int = 0  # encoder input tokens (image placeholder rows) scheduled to encode, since start
+    # prefill chunks cut short or held back because an item fit neither the step's encoder budget
+    # nor the encoder cache, since start (scheduler/encoder_budget.py)
+    encoder_budget_deferrals: int = 0
     spec_decode_num_drafts: int = 0  # requests' steps that verified drafts, since start
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted, since start

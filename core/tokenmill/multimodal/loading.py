@@ -14,6 +14,15 @@ if TYPE_CHECKING:
 
 # The ModelSpec capability of a model class that implements MultiModalCausalLM.
 MULTIMODAL = "multimodal"
+# The ModelSpec capability of a multimodal model whose items' tokens attend to each other both ways
+# (Gemma 3): each item is computed whole in one step (tokenmill.scheduler.whole_items).
+WHOLE_MM_ITEMS = "whole_mm_items"
+
+
+def computes_items_whole(checkpoint: Checkpoint, plugins: PluginManager) -> bool:
+    """Whether the architecture's :class:`ModelSpec` lists :data:`WHOLE_MM_ITEMS`."""
+    spec = registered_model_spec(checkpoint, plugins)
+    return spec is not None and WHOLE_MM_ITEMS in spec.capabilities
 
 
 def multimodal_processor(checkpoint: Checkpoint, plugins: PluginManager,

@@ -51,6 +51,9 @@ class EncoderBudget:
         self.num_encoder_steps = 0  # steps that encoded anything, since start
         self.num_over_budget_steps = 0  # steps that encoded more than the budget (an oversized item alone)
         self.max_step_tokens = 0  # most encoder input tokens one step encoded
+        self.num_encoder_input_tokens = 0  # encoder input tokens scheduled, since start
+        # chunks cut short or held back because an item fit neither the step's budget nor the cache
+        self.num_deferrals = 0
 
     # -- one step -------------------------------------------------------
     def begin_step(self) -> None:
@@ -62,6 +65,7 @@ class EncoderBudget:
         self._freed = []
         if step.tokens:
             self.num_encoder_steps += 1
+            self.num_encoder_input_tokens += step.tokens
             self.max_step_tokens = max(self.max_step_tokens, step.tokens)
             if step.tokens > self.compute_budget:
                 self.num_over_budget_steps += 1
@@ -81,6 +85,7 @@ class EncoderBudget:
                 self._pin(key, req_id)
                 continue
             if not self._fits(item):
+                self.num_deferrals += 1
                 return max(0, item.offset - start)
             self._schedule(req_id, index, item)
         return num_new

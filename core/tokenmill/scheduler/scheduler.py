@@ -55,6 +55,7 @@ from tokenmill.scheduler.output import (
 )
 from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
 from tokenmill.scheduler.spec_tokens import SpecDecodeCounters, num_rejected, usable_drafts
+from tokenmill.scheduler.whole_items import whole_items_chunk
 
 if TYPE_CHECKING:
     from tokenmill.kv_transfer.connector import KVConnectorScheduler
@@ -87,6 +88,9 @@ class SchedulerConfig:
     # step's token budget), and the workers' encoder cache size in rows (scheduler/encoder_budget.py).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # Items whose tokens attend to each other both ways (Gemma 3's images): no chunk ends inside
+    # one (scheduler/whole_items.py).
+    whole_mm_items: bool = False
 
 
 @dataclass
@@ -346,6 +350,8 @@ class Scheduler:
             num_unsent = request.num_tokens - request.num_computed_tokens
             num_new = min(num_unsent + len(request.spec_token_ids), plan.budget)  # drafts count in the budget
             if request.mm_inputs:
+                if self.config.whole_mm_items:
+                    num_new = whole_items_chunk(request.mm_inputs, request.num_computed_tokens, num_new)
                 num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, request.num_computed_tokens,
                                                  num_new)
                 if num_new == 0:  # its next image waits for a step with encoder budget left
@@ -411,6 +417,8 @@ class Scheduler:
                 break
             num_new = min(num_new, plan.budget)
             if request.mm_inputs:
+                if self.config.whole_mm_items:
+                    num_new = whole_items_chunk(request.mm_inputs, num_computed, num_new)
                 num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, num_computed, num_new)
                 if num_new == 0 or (num_computed + num_new < request.num_tokens
                                     and not self.config.enable_chunked_prefill):
@@ -621,6 +629,8 @@ class Scheduler:
             num_waiting_for_lora=len(self.waiting_for_lora),
             encoder_cache_queries=self.encoder_cache_queries,
             encoder_cache_hits=self.encoder_cache_hits,
+            encoder_input_tokens=self.encoder.num_encoder_input_tokens,
+            encoder_budget_deferrals=self.encoder.num_deferrals,
             num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
             prefix_cache_external_hits=self.num_external_hit_tokens,
             **lora,

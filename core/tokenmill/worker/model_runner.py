@@ -222,6 +222,7 @@ class ModelRunner:
             if mrope is not None:
                 inputs = dataclasses.replace(inputs, positions=mrope)
             embeds = self.multimodal.step_embeddings(inputs, self.batch)
+            inputs.metadata.bidirectional_blocks = self.multimodal.step_bidirectional_blocks(inputs, self.batch)
             if embeds is not None or inputs.positions.dim() > 1:
                 return cast(Any, self.model)(inputs.input_ids, inputs.positions, inputs.metadata,
                                              inputs_embeds=embeds), None

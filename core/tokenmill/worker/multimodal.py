@@ -18,6 +18,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from tokenmill.attention.item_blocks import BidirectionalBlock
 from tokenmill.multimodal.encoder_cache import EncoderCache
 from tokenmill.multimodal.inputs import MultiModalItem
 from tokenmill.worker.input_batch import InputBatch
@@ -35,6 +36,7 @@ class _Slice:
     flat: int
     lo: int
     hi: int
+    request: int = 0  # its request's row in the step (AttentionMetadata.block_table)
 
 
 class MultiModalEmbedder:
@@ -42,6 +44,8 @@ class MultiModalEmbedder:
         self.model = model
         self.cache = EncoderCache(cache_size)
         self.mrope = uses_mrope(model)
+        # Gemma 3: an item's tokens attend to each other both ways (tokenmill.attention.item_blocks)
+        self.bidirectional_items = bool(getattr(model, "attends_within_items", False))
         self._reported = (0, 0)  # the cache's (queries, hits) at the last take_step_counts
         self._scheduled: set[tuple[str, int]] = set()  # (request, item index) to encode this step
         self.unscheduled_encodes = 0  # items encoded though the scheduler did not list them (should stay 0)
@@ -73,6 +77,22 @@ class MultiModalEmbedder:
         rows = torch.cat([outputs[s.item.content_hash][s.lo:s.hi] for s in slices])
         is_multimodal = torch.from_numpy(mask).to(inputs.input_ids.device)
         return self.model.embed_input_ids(inputs.input_ids, rows, is_multimodal)
+
+    def step_bidirectional_blocks(self, inputs: StepInputs, batch: InputBatch) -> list[BidirectionalBlock] | None:
+        """For a model whose items attend to themselves both ways: where the step's item tokens
+        sit, each attending to its whole item; None for any other model, or a step without items.
+        The scheduler computes each item whole (``SchedulerConfig.whole_mm_items``): a step
+        that holds only a part of one, whose end is not computed, cannot be run right."""
+        if not self.bidirectional_items:
+            return None
+        blocks: list[BidirectionalBlock] = []
+        for s in _step_slices(inputs, batch):
+            if s.hi != s.item.length:
+                raise RuntimeError(f"a step holds {s.item.modality} tokens {s.lo}..{s.hi} of {s.item.length} "
+                                   "without the item's end, which its earlier tokens attend to")
+            blocks.append(BidirectionalBlock(s.request, s.flat, s.flat + s.hi - s.lo, s.item.offset + s.lo,
+                                             s.item.end))
+        return blocks or None
 
     def step_positions(self, inputs: StepInputs, batch: InputBatch) -> torch.Tensor | None:
         """An M-RoPE model's positions for the step: ``[3, T]`` where a scheduled token is an
@@ -155,5 +175,5 @@ def _step_slices(inputs: StepInputs, batch: InputBatch) -> list[_Slice]:
             if overlap is not None:
                 lo, hi = overlap
                 slices.append(_Slice(item, state.req_id, index, int(inputs.query_start[i]) + lo - start, lo - item.offset,
-                                     hi - item.offset))
+                                     hi - item.offset, request=i))
     return slices

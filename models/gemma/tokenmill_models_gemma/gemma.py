@@ -161,9 +161,16 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.aux_hidden_states = AuxHiddenStateRecorder(config.num_hidden_layers)  # for EAGLE-3
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings, as the first layer takes them."""
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        return hidden * self.embed_scale.to(hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs_embeds``: the tokens' embeddings (text rows already scaled), made by a multimodal
+        model that wraps this one (Gemma 3's images in place of some tokens); None: embed ``input_ids``."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             self.aux_hidden_states.before_layer(index, hidden, residual)
@@ -195,9 +202,11 @@ class Gemma2ForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.model.embed_tokens.tie(self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of the scheduled tokens."""
-        return self.model(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the scheduled tokens (from ``inputs_embeds`` where
+        given: see :meth:`GemmaModel.forward`)."""
+        return self.model(input_ids, positions, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
