@@ -7,6 +7,7 @@ interpreted cases in a child pytest that has it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +15,15 @@ import sys
 import pytest
 import torch
 
-from tokenmill.layers import NativeLayerOps
+from tokenmill.layers import (
+    FusedMoE,
+    MoERouting,
+    NativeLayerOps,
+    QuantizedFusedMoEOps,
+    layer_ops,
+    register_layer_ops,
+    select_experts,
+)
 
 pytest.importorskip("triton")
 NATIVE = NativeLayerOps()
@@ -22,6 +31,7 @@ EXPERTS, HIDDEN, INTER = 8, 48, 40  # not multiples of the tiles: the masks are 
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+QUANT_PLUGINS = all(importlib.util.find_spec(name) is not None for name in ("tokenmill_quant_fp8", "tokenmill_quant_int8"))
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
 
@@ -38,8 +48,10 @@ def test_the_interpreted_cases_pass_under_the_interpreter():
                             "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                            text=True)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    # 12 shapes, the experts-without-tokens case, 5 quantized cases and the alignment's blocks
-    assert "19 passed" in child.stdout, child.stdout[-2000:]
+    # 12 shapes, the experts-without-tokens case, 5 quantized cases, the alignment's blocks, and
+    # the layer ops' float and quantized MoE (these two need the fp8/int8 plugins; counted when present)
+    expected = 20 + 2 * QUANT_PLUGINS
+    assert f"{expected} passed" in child.stdout, child.stdout[-2000:]
 
 
 def _case(tokens: int, top_k: int, experts_used: int = EXPERTS, device: str = "cpu", seed: int = 0):
@@ -133,6 +145,57 @@ def test_interpreted_quantized_experts_match_dequantised_weights(dtype, quantize
     got = interpreted.triton_fused_moe_quantized(x, q13, s13, q2, s2, weights, ids,
                                                  quantize_activations=quantize_activations)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def cuda_layer_ops_on_cpu():
+    """The CUDA platform's layer ops registered for CPU tensors (the interpreter runs its
+    kernels there) for one test, the previous ops put back after."""
+    from tokenmill_platform_cuda.layer_ops import CudaLayerOps
+
+    previous = layer_ops(torch.device("cpu"))
+    ops = CudaLayerOps()
+    register_layer_ops("cpu", ops)
+    yield ops
+    register_layer_ops("cpu", previous)
+
+
+@interpreted_only
+def test_interpreted_layer_ops_run_float_experts_in_the_kernel(cuda_layer_ops_on_cpu, interpreted):
+    x, w13, w2, weights, ids = _case(7, 2)
+    got = cuda_layer_ops_on_cpu.fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(got, interpreted.triton_fused_moe(x, w13, w2, weights, ids))  # the kernel ran
+    torch.testing.assert_close(got, NATIVE.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    x64 = x.double()  # a dtype the kernel does not take: the reference
+    torch.testing.assert_close(cuda_layer_ops_on_cpu.fused_moe(x64, w13.double(), w2.double(), weights, ids),
+                               NATIVE.fused_moe(x64, w13.double(), w2.double(), weights, ids))
+
+
+@interpreted_only
+@pytest.mark.skipif(not QUANT_PLUGINS, reason="needs the fp8 and int8 quantization plugins")
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_interpreted_quantized_moe_methods_run_in_the_grouped_kernel(scheme, cuda_layer_ops_on_cpu, interpreted):
+    """``quantization="fp8"`` / ``"int8"`` experts on a device with the grouped kernel: the layer's
+    output is the kernel's, and agrees with the methods' own loop (same roundings, another order)."""
+    from tokenmill_quant_fp8.moe import Fp8OnlineMoEMethod
+    from tokenmill_quant_int8.moe import Int8OnlineMoEMethod
+
+    method = {"fp8": Fp8OnlineMoEMethod, "int8": Int8OnlineMoEMethod}[scheme]()
+    layer = FusedMoE(EXPERTS, HIDDEN, INTER, MoERouting(top_k=2, renormalize=True), quant_method=method)
+    _, w13, w2, _, _ = _case(1, 1)
+    layer.load_checkpoint_tensor("gate_up_proj", w13)
+    layer.load_checkpoint_tensor("down_proj", w2)
+    method.process_weights_after_loading(layer)
+    x, logits = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(3)), torch.randn(13, EXPERTS)
+    assert isinstance(cuda_layer_ops_on_cpu, QuantizedFusedMoEOps)
+    grouped = layer(x, logits)
+    weights, ids = select_experts(logits, layer.routing)
+    direct = cuda_layer_ops_on_cpu.quantized_fused_moe(x, layer.gate_up_proj, layer.gate_up_proj_scale,
+                                                       layer.down_proj, layer.down_proj_scale, weights, ids)
+    assert torch.equal(grouped, direct)
+    register_layer_ops("cpu", NATIVE)  # the methods' loop
+    looped = layer(x, logits)
+    assert ((grouped - looped).norm() / looped.norm()).item() < 2e-3
 
 
 @pytest.mark.gpu
