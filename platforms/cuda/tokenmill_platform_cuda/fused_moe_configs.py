@@ -81,6 +81,22 @@ def with_entry(table: Mapping[str, Mapping[str, Mapping[str, int]]], key: str, t
     return updated
 
 
+def candidate_configs() -> list[TileConfig]:
+    """What the tuning script times: row blocks 16-128, column blocks 32-128, depth 32-128,
+    4 or 8 warps, 2-4 stages (the product pruned of 128x128x128 tiles, which spill)."""
+    return [TileConfig(block_m, block_n, block_k, warps, stages)
+            for block_m in (16, 32, 64, 128) for block_n in (32, 64, 128) for block_k in (32, 64, 128)
+            for warps in (4, 8) for stages in (2, 3, 4)
+            if not (block_m == block_n == block_k == 128)]
+
+
+def fastest(timings: Mapping[TileConfig, float]) -> TileConfig:
+    """The config of the least time (ties to the first timed); refuses an empty set."""
+    if not timings:
+        raise ValueError("no config ran: every candidate failed")
+    return min(timings, key=lambda config: timings[config])
+
+
 def read_table(path: Path = TABLE_PATH) -> Table:
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -157,9 +157,15 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: t
 
 def tile_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> TileConfig:
     """The table's config for this layer on this device (a default by size where it has none)."""
-    device = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-    key = table_key(w13.shape[0], w13.shape[2], w13.shape[1] // 2, str(w13.dtype).removeprefix("torch."), device)
-    return choose_config(packaged_table(), key, x.shape[0], top_k, w13.shape[0])
+    return _tile_config(x.device, w13.shape[0], w13.shape[2], w13.shape[1] // 2, w13.dtype, x.shape[0], top_k)
+
+
+@functools.cache
+def _tile_config(device: torch.device, experts: int, hidden: int, inter: int, dtype: torch.dtype, tokens: int,
+                 top_k: int) -> TileConfig:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = table_key(experts, hidden, inter, str(dtype).removeprefix("torch."), name)
+    return choose_config(packaged_table(), key, tokens, top_k, experts)
 
 
 def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
