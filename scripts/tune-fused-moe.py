@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the experts' weights")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     parser.add_argument("--table", type=Path, default=TABLE_PATH)
+    parser.add_argument("--sample", type=int, default=0,
+                        help="time only this many candidates, spread over the list (a smoke run)")
     return parser
 
 
@@ -66,9 +68,12 @@ def _runner(args: argparse.Namespace, tokens: int):
     return lambda config: triton_fused_moe_quantized(x, q13, s13, q2, s2, weights, ids, config=config)
 
 
-def _time_candidates(run) -> dict[TileConfig, float]:
+def _time_candidates(run, sample: int) -> dict[TileConfig, float]:
+    candidates = candidate_configs()
+    if sample:
+        candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     timings: dict[TileConfig, float] = {}
-    for config in candidate_configs():
+    for config in candidates:
         try:
             run(config)  # compile outside the timing
             timings[config] = float(triton.testing.do_bench(lambda config=config: run(config), warmup=5, rep=25))
@@ -84,7 +89,7 @@ def main() -> None:
     key = table_key(args.experts, args.hidden, args.intermediate, args.dtype, torch.cuda.get_device_name())
     table = read_table(args.table)
     for tokens in args.tokens:
-        timings = _time_candidates(_runner(args, tokens))
+        timings = _time_candidates(_runner(args, tokens), args.sample)
         best = fastest(timings)
         print(f"{key} tokens={tokens}: {best} {timings[best] * 1000:.1f} us ({len(timings)} configs ran)")
         table = with_entry(table, key, tokens, best)

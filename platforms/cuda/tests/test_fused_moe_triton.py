@@ -233,3 +233,32 @@ def test_gpu_quantized_kernel_matches_dequantised_weights(tokens, dtype):
     got = triton_fused_moe_quantized(*cuda).float().cpu()
     scale = expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=0.1, atol=0.05 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernel_at_realistic_widths_and_inside_a_cuda_graph():
+    """Hidden 1024, intermediate 512, 8 experts, top-2 in bfloat16 against the float32 reference;
+    then the same call captured in a CUDA graph (the alignment reads nothing back to the host)
+    and replayed on new routing."""
+    from tokenmill_platform_cuda.fused_moe_triton import triton_fused_moe
+
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 1024, generator=generator)
+    w13 = torch.randn(EXPERTS, 1024, 1024, generator=generator) / 32
+    w2 = torch.randn(EXPERTS, 1024, 512, generator=generator) / 512**0.5
+    weights, ids = torch.topk(torch.softmax(torch.rand(64, EXPERTS, generator=generator), -1), 2, -1)
+    expected = NATIVE.fused_moe(x, w13, w2, weights, ids)
+    cx, c13, c2, cw, cids = (t.cuda() for t in (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids))
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(triton_fused_moe(cx, c13, c2, cw, cids).float().cpu(), expected, rtol=3e-2,
+                               atol=2e-2 * scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_fused_moe(cx, c13, c2, cw, cids)
+    new_weights, new_ids = torch.topk(torch.softmax(torch.rand(64, EXPERTS, generator=generator), -1), 2, -1)
+    cw.copy_(new_weights.cuda())
+    cids.copy_(new_ids.cuda())
+    graph.replay()
+    torch.testing.assert_close(captured.float().cpu(), NATIVE.fused_moe(x, w13, w2, new_weights, new_ids),
+                               rtol=3e-2, atol=2e-2 * scale)

@@ -1,6 +1,7 @@
 """The CUDA platform: one device per process, bfloat16 by default, a KV cache sized per
 process from ``gpu_memory_utilization``, CUDA graphs for decode batches, and the device's
-compute capability and attention priorities for the selectors (``KernelFeatures``)."""
+compute capability and attention priorities for the selectors (``KernelFeatures``), and the
+Triton fused MoE as its layer op (``layer_ops.CudaLayerOps``) where triton is installed."""
 
 from __future__ import annotations
 
