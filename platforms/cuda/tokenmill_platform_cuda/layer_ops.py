@@ -12,6 +12,7 @@ import torch
 from tokenmill.layers import NativeLayerOps
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DOT = (8, 9)  # the first compute capability whose tensor cores multiply float8
 
 
 class CudaLayerOps(NativeLayerOps):
@@ -32,6 +33,8 @@ class CudaLayerOps(NativeLayerOps):
 
         if w13.dtype not in QUANTIZED_WEIGHT_DTYPES or w2.dtype != w13.dtype or x.dtype not in KERNEL_DTYPES:
             return None
+        if w13.dtype == torch.float8_e4m3fn and x.is_cuda and torch.cuda.get_device_capability(x.device) < FP8_DOT:
+            return None  # no float8 tensor-core dot before Ada/Hopper: the method's own path
         if not x.numel():
             return torch.zeros_like(x)
         return triton_fused_moe_quantized(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
