@@ -34,6 +34,7 @@ from tokenmill.layers.moe import (
 from tokenmill.layers.moe_quantization import (
     EXPERT_WEIGHTS,
     OnlineQuantizedMoEMethod,
+    QuantizedFusedMoEOps,
     apply_experts_one_by_one,
     expert_tensor_name,
     missing_expert_tensors,
@@ -89,6 +90,7 @@ __all__ = [
     "ModelBuildContext",
     "NativeLayerOps",
     "OnlineQuantizedMoEMethod",
+    "QuantizedFusedMoEOps",
     "OutputShardLoader",
     "ParallelLMHead",
     "PipelineStage",

@@ -8,14 +8,17 @@ layer of a float checkpoint: the stacked float experts load as a float layer's w
 ``[E, H]``) and the float copies dropped. A plugin supplies its quantizer (the one its
 linear layers use) and its quantized matmul (activations rounded per token, its kernel).
 
-The experts run one at a time, over those that got tokens (the float reference's loop):
-a grouped quantized kernel (the Triton FP8/INT8 variant) is a later step.
+Where the device's layer ops have a grouped quantized kernel (:class:`QuantizedFusedMoEOps`:
+the CUDA platform's Triton FP8/INT8 fused MoE) and the method says its weights are in the
+form that kernel takes (``grouped=True``: float8_e4m3fn or int8, one scale per expert and
+row, activations rounded per token), all experts run in it; otherwise the experts run one
+at a time, over those that got tokens (the float reference's loop), by ``matmul``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -32,13 +35,29 @@ QuantizedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
+@runtime_checkable
+class QuantizedFusedMoEOps(Protocol):
+    """Layer ops with a grouped kernel for quantized experts."""
+
+    def quantized_fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                            w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor | None:
+        """What ``LayerOps.fused_moe`` computes on float8_e4m3fn or int8 experts ``w13`` [E, 2I, H]
+        and ``w2`` [E, H, I] with float32 scales per expert and row (``[E, 2I]``, ``[E, H]``),
+        the activations quantized per token to the weights' type; None where the kernel does
+        not take these tensors (the caller runs its own loop)."""
+        ...
+
+
 class OnlineQuantizedMoEMethod:
     """Float experts loaded, then quantized per expert and output channel by ``quantize``;
-    run by ``matmul``."""
+    run by ``matmul``, or by the device's grouped kernel where ``grouped`` says the weights and
+    activations are in its form (see the module's docstring)."""
 
-    def __init__(self, quantize: ExpertQuantizer, matmul: QuantizedMatmul) -> None:
+    def __init__(self, quantize: ExpertQuantizer, matmul: QuantizedMatmul, grouped: bool = False) -> None:
         self.quantize = quantize
         self.matmul = matmul
+        self.grouped = grouped
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:
@@ -55,6 +74,14 @@ class OnlineQuantizedMoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = layer_ops(x.device)
+        if self.grouped and isinstance(ops, QuantizedFusedMoEOps):
+            w13, w13_scale, w2, w2_scale = (cast(torch.Tensor, getattr(layer, name)) for name in (
+                "gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"))
+            out = ops.quantized_fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+            if out is not None:
+                return out
+
         def expert_matmul(stack: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
             weight, scale = cast(torch.Tensor, getattr(layer, stack)), cast(torch.Tensor, getattr(layer, f"{stack}_scale"))
             return self.matmul(rows, weight[expert], scale[expert])

@@ -1,9 +1,11 @@
 """The CUDA platform: one device per process, bfloat16 by default, a KV cache sized per
 process from ``gpu_memory_utilization``, CUDA graphs for decode batches, and the device's
-compute capability and attention priorities for the selectors (``KernelFeatures``)."""
+compute capability and attention priorities for the selectors (``KernelFeatures``), and the
+Triton fused MoE as its layer op (``layer_ops.CudaLayerOps``) where triton is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -11,6 +13,7 @@ from types import MappingProxyType
 
 import torch
 
+from tokenmill.layers import register_layer_ops
 from tokenmill.plugin_api import EngineConfig, StepGraph
 from tokenmill_platform_cuda import graphs
 from tokenmill_platform_cuda.memory import ACTIVATION_MARGIN, baseline_free, kv_cache_budget, read_device_memory
@@ -45,6 +48,10 @@ class CudaPlatform:
     def configure_process(self, config: EngineConfig) -> None:
         torch.cuda.set_device(self.device_index)
         baseline_free(self.device_index)
+        if importlib.util.find_spec("triton") is not None:  # the MoE experts in the Triton fused kernel
+            from tokenmill_platform_cuda.layer_ops import CudaLayerOps
+
+            register_layer_ops("cuda", CudaLayerOps())
 
     def kv_cache_bytes(self, config: EngineConfig) -> int:
         """An explicit ``kv_cache_memory`` wins (as vLLM's ``kv_cache_memory_bytes``);

@@ -1,9 +1,10 @@
 """FP8 experts: ``quantization="fp8"`` on a float MoE checkpoint quantizes every expert per
 output channel (:class:`tokenmill.layers.OnlineQuantizedMoEMethod`, with this plugin's
 quantizer) and multiplies as the FP8 linear layers do: activations per token, row-wise
-``torch._scaled_mm`` where it runs, else the torch reference. A serialized FP8 checkpoint's
-experts (a float8 ``weight`` and its ``weight_scale`` per expert) load into the same layout
-and run the same way (:class:`Fp8SerializedMoEMethod`)."""
+``torch._scaled_mm`` where it runs, else the torch reference; on a device whose layer ops
+have a grouped quantized kernel (CUDA: the Triton fused MoE) all experts run in that instead.
+A serialized FP8 checkpoint's experts (a float8 ``weight`` and its ``weight_scale`` per
+expert) load into the same layout and run the same way (:class:`Fp8SerializedMoEMethod`)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def fp8_expert_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 class Fp8OnlineMoEMethod(OnlineQuantizedMoEMethod):
     def __init__(self) -> None:
-        super().__init__(quantize_weight_per_channel, fp8_expert_matmul)
+        super().__init__(quantize_weight_per_channel, fp8_expert_matmul, grouped=True)
 
 
 class Fp8SerializedMoEMethod(OnlineQuantizedMoEMethod):
@@ -48,7 +49,7 @@ class Fp8SerializedMoEMethod(OnlineQuantizedMoEMethod):
     as it runs them (activations per token)."""
 
     def __init__(self) -> None:
-        super().__init__(quantize_weight_per_channel, fp8_expert_matmul)
+        super().__init__(quantize_weight_per_channel, fp8_expert_matmul, grouped=True)
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_rank: int, params_dtype: torch.dtype) -> None:

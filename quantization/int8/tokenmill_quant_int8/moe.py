@@ -1,7 +1,8 @@
 """INT8 experts: ``quantization="int8"`` on a float MoE checkpoint quantizes every expert
 per output channel (:class:`tokenmill.layers.OnlineQuantizedMoEMethod`, with this plugin's
 quantizer) and multiplies as the W8A8 linear layers do: activations per token, the product
-in int32 (``torch._int_mm`` where it takes the shape)."""
+in int32 (``torch._int_mm`` where it takes the shape); on a device whose layer ops have a
+grouped quantized kernel (CUDA: the Triton fused MoE) all experts run in that instead."""
 
 from __future__ import annotations
 
@@ -19,4 +20,4 @@ def int8_expert_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 class Int8OnlineMoEMethod(OnlineQuantizedMoEMethod):
     def __init__(self) -> None:
-        super().__init__(quantize_weight_per_channel, int8_expert_matmul)
+        super().__init__(quantize_weight_per_channel, int8_expert_matmul, grouped=True)
