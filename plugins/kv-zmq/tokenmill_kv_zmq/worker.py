@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +24,7 @@ _FETCH_THREADS = 4
 
 
 class _Fetch:
-    def __init__(self, target: FetchTarget, future: Future[int]) -> None:
+    def __init__(self, target: FetchTarget, future: Future[tuple[int, float]]) -> None:
         self.target = target
         self.future = future
 
@@ -51,6 +52,7 @@ class ZmqWorker:
         # Counters, for a test or a benchmark to read.
         self.num_fetched = self.num_failed_fetches = 0
         self.bytes_fetched = 0
+        self.seconds_fetching = 0.0  # wall time of the fetches that loaded, from the ask to the last layer in
         self.num_layers_loaded = 0  # layers copied in, by every fetch (a failed one's too)
         self._counter_lock = threading.Lock()
 
@@ -79,9 +81,13 @@ class ZmqWorker:
             peers = [rank_endpoint(peer, self.rank) for peer in source.peers]
             target = FetchTarget([h for _, h in blocks], [block_id for block_id, _ in blocks], self.kv_caches,
                                  on_layer=self._count_layer)
-            future = self._pool.submit(fetch_layers, self._zmq, peers, target, self.options.fetch_timeout_s,
-                                       source.remote_request_id)
+            future = self._pool.submit(self._timed_fetch, peers, target, source.remote_request_id)
             self._fetches[req_id] = _Fetch(target, future)
+
+    def _timed_fetch(self, peers: list[str], target: FetchTarget, remote_request_id: str | None) -> tuple[int, float]:
+        started = time.perf_counter()
+        loaded = fetch_layers(self._zmq, peers, target, self.options.fetch_timeout_s, remote_request_id)
+        return loaded, time.perf_counter() - started
 
     def _count_layer(self, _layer: int) -> None:
         with self._counter_lock:
@@ -110,7 +116,7 @@ class ZmqWorker:
     def _finish_fetch(self, req_id: str, fetch: _Fetch) -> None:
         """A fetch has ended: every layer is in its blocks, or it failed (what it wrote is garbage)."""
         try:
-            self.bytes_fetched += fetch.future.result()
+            loaded, seconds = fetch.future.result()
         except Exception as exc:  # FetchFailed, or a fault in the fetch thread: the prompt is computed either way
             log = logger.warning if isinstance(exc, FetchFailed) else logger.exception
             log("kv_zmq: request %s: no KV from the producers (%s); computing its prompt", req_id, exc)
@@ -118,6 +124,8 @@ class ZmqWorker:
             self._output.failed_recving.add(req_id)
             return
         self.num_fetched += 1
+        self.bytes_fetched += loaded
+        self.seconds_fetching += seconds
         self._output.finished_recving.add(req_id)
 
     def shutdown(self) -> None:
