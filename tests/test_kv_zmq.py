@@ -137,16 +137,17 @@ def test_a_dead_or_silent_producer_costs_a_recompute_not_a_hang(llama_path, expe
 class RelayingProxy(threading.Thread):
     """Relays fetches to a real producer and its answers back, message by message (one upstream
     socket per consumer socket): it may damage the last layer's payload on the way back
-    (``damage``), or hold back every layer after the first until ``release`` is set (``hold``)."""
+    (``damage``), or hold back layer ``hold_from`` and those after it (-1: the header too) until
+    ``release`` is set."""
 
-    def __init__(self, upstream: str, damage=None, hold: bool = False) -> None:
+    def __init__(self, upstream: str, damage=None, hold_from: int | None = None) -> None:
         super().__init__(daemon=True)
         context = zmq.Context.instance()
         self.front = context.socket(zmq.ROUTER)
         self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
         self.upstream = upstream
         self.damage = damage
-        self.hold = hold
+        self.hold_from = hold_from
         self.release = threading.Event()
         self.first_layer_relayed = threading.Event()
         self.num_damaged = 0
@@ -178,14 +179,18 @@ class RelayingProxy(threading.Thread):
                 reply = sock.recv_multipart()
                 if reply[0] == b"KV":
                     num_layers = len(json.loads(reply[1])["layout"])
-                layer = json.loads(reply[1])["layer"] if reply[0] == b"LAYER" else None
+                layer = json.loads(reply[1])["layer"] if reply[0] == b"LAYER" else -1 if reply[0] == b"KV" else None
                 if self.damage is not None and layer == num_layers - 1:
                     reply = self.damage(reply)
                     self.num_damaged += 1
                 message = [consumer_of[sock], *reply]
-                if self.hold and layer is not None and layer > 0 and not self.release.is_set():
+                held_back = self.hold_from is not None and layer is not None and layer >= self.hold_from
+                if held_back and not self.release.is_set():
                     held.append(message)
                     continue
+                for earlier in held:  # released meanwhile: what was held goes first, in order
+                    self.front.send_multipart(earlier)
+                held.clear()
                 self.front.send_multipart(message)
                 if layer == 0:
                     self.first_layer_relayed.set()
@@ -249,7 +254,7 @@ def test_each_layer_is_copied_in_as_it_arrives_and_the_request_runs_once_all_are
     prompt, want = _prompts()[3], expected[3]
     asked = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     (answer,) = [o.kv_transfer_params for o in producer.generate([{"prompt_token_ids": prompt}], asked)]
-    proxy = RelayingProxy(producer.endpoint, hold=True)
+    proxy = RelayingProxy(producer.endpoint, hold_from=1)
     proxy.start()
     host, port = proxy.endpoint.removeprefix("tcp://").rsplit(":", 1)
     consumer = _engine(llama_path, "kv_consumer", fetch_timeout_s=120)
@@ -390,3 +395,31 @@ def test_under_tensor_parallelism_each_rank_fetches_its_own_heads_from_its_produ
     assert _free_blocks(producer)[0] == _free_blocks(producer)[1]
     consumer.engine.shutdown()
     producer.engine.shutdown()
+
+
+def test_a_peer_whose_answer_breaks_midway_gives_way_to_the_next_ones_whole_answer(llama_path, producer, expected):
+    """The first answer's last layer is damaged after its other layers were copied in; the second
+    peer's answer (held back until then) is loaded from its first layer: no recompute."""
+    prompts = _prompts()[2:3]
+    _prefill(producer, prompts)
+    damaged = RelayingProxy(producer.endpoint, _flip_a_bit)
+    late = RelayingProxy(producer.endpoint, hold_from=-1)
+    damaged.start()
+    late.start()
+    consumer = _engine(llama_path, "kv_consumer", peers=[damaged.endpoint, late.endpoint], fetch_timeout_s=120)
+    try:
+        engine = consumer.engine
+        engine.add_request("r", {"prompt_token_ids": prompts[0]}, GREEDY)
+        _wait_until(lambda: damaged.num_damaged == 1, engine.step)
+        late.release.set()
+        outputs = []
+        _wait_until(lambda: outputs and outputs[-1].finished, lambda: outputs.extend(engine.step()))
+        assert list(outputs[-1].outputs[0].token_ids) == expected[2]
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == _loadable(LENGTHS[2])
+        layers = _num_layers(consumer)
+        assert _worker_counter(consumer, "num_layers_loaded") == (layers - 1) + layers
+        assert (_worker_counter(consumer, "num_fetched"), _worker_counter(consumer, "num_failed_fetches")) == (1, 0)
+    finally:
+        consumer.engine.shutdown()
+        damaged.stop()
+        late.stop()
