@@ -52,5 +52,9 @@ for name, prod, cons in [
     hits = consumer.engine.scheduler_stats.prefix_cache_external_hits
     print(f"{name}: load + sample one token {statistics.median(times)*1000:.0f} ms (median of {len(times)}; "
           f"{hits} prompt tokens loaded)")
+    worker = consumer.engine.core.executor.collective_rpc(lambda w: w.runner.kv_connector, ())[0]
+    if hasattr(worker, "seconds_fetching") and worker.num_fetched:  # kv_zmq: the fetch alone, ask to last layer in
+        print(f"{name}: fetch {worker.seconds_fetching / worker.num_fetched * 1000:.0f} ms, "
+              f"{worker.bytes_fetched / worker.num_fetched / 1e6:.1f} MB per request (mean of {worker.num_fetched})")
     consumer.engine.shutdown()
     producer.engine.shutdown()

@@ -1,16 +1,18 @@
 """The ``kv_zmq`` KV connector end to end, over real ZeroMQ sockets on 127.0.0.1: a consumer
-engine fetches a producer engine's prompt KV and its greedy output is transformers'; a dead or
+engine fetches a producer engine's prompt KV, layer by layer, and its greedy output is transformers'; a dead or
 silent producer, a corrupt or truncated payload, or a consumer that goes away never hang or
 poison anything: the consumer computes the prompt, the producer frees its blocks after a lease."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from test_kv_shared_storage import ScheduledTokens
 from tiny_models import hf_greedy
@@ -64,6 +66,10 @@ def _free_blocks(llm: LLM) -> tuple[int, int]:
 
 def _worker_counter(llm: LLM, name: str) -> int:
     return on_rank_zero(llm, lambda worker: getattr(worker.runner.kv_connector, name))
+
+
+def _num_layers(llm: LLM) -> int:
+    return on_rank_zero(llm, lambda worker: len(worker.runner.kv_caches))
 
 
 @pytest.fixture(scope="module")
@@ -128,33 +134,68 @@ def test_a_dead_or_silent_producer_costs_a_recompute_not_a_hang(llama_path, expe
         silent.close(linger=0)
 
 
-class DamagingProxy(threading.Thread):
-    """Forwards fetches to a real producer and damages its answers on the way back."""
+class RelayingProxy(threading.Thread):
+    """Relays fetches to a real producer and its answers back, message by message (one upstream
+    socket per consumer socket): it may damage the last layer's payload on the way back
+    (``damage``), or hold back layer ``hold_from`` and those after it (-1: the header too) until
+    ``release`` is set."""
 
-    def __init__(self, upstream: str, damage) -> None:
+    def __init__(self, upstream: str, damage=None, hold_from: int | None = None) -> None:
         super().__init__(daemon=True)
         context = zmq.Context.instance()
         self.front = context.socket(zmq.ROUTER)
         self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
         self.upstream = upstream
         self.damage = damage
+        self.hold_from = hold_from
+        self.release = threading.Event()
+        self.first_layer_relayed = threading.Event()
         self.num_damaged = 0
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        back = zmq.Context.instance().socket(zmq.DEALER)
-        back.connect(self.upstream)
+        context = zmq.Context.instance()
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        backs: dict[bytes, zmq.Socket] = {}  # consumer socket -> its upstream socket
+        consumer_of: dict[zmq.Socket, bytes] = {}
+        num_layers = 0
+        held: list[list[bytes]] = []
         while not self._stop_event.is_set():
-            if not self.front.poll(50):
-                continue
-            identity, *message = self.front.recv_multipart()
-            back.send_multipart(message)
-            reply = back.recv_multipart()
-            if reply[0] == b"KV":
-                reply = self.damage(reply)
-                self.num_damaged += 1
-            self.front.send_multipart([identity, *reply])
-        back.close(linger=0)
+            if self.release.is_set() and held:
+                for message in held:
+                    self.front.send_multipart(message)
+                held.clear()
+            for sock, _event in poller.poll(50):
+                if sock is self.front:
+                    identity, *message = self.front.recv_multipart()
+                    if identity not in backs:
+                        back = backs[identity] = context.socket(zmq.DEALER)
+                        back.connect(self.upstream)
+                        consumer_of[back] = identity
+                        poller.register(back, zmq.POLLIN)
+                    backs[identity].send_multipart(message)
+                    continue
+                reply = sock.recv_multipart()
+                if reply[0] == b"KV":
+                    num_layers = len(json.loads(reply[1])["layout"])
+                layer = json.loads(reply[1])["layer"] if reply[0] == b"LAYER" else -1 if reply[0] == b"KV" else None
+                if self.damage is not None and layer == num_layers - 1:
+                    reply = self.damage(reply)
+                    self.num_damaged += 1
+                message = [consumer_of[sock], *reply]
+                held_back = self.hold_from is not None and layer is not None and layer >= self.hold_from
+                if held_back and not self.release.is_set():
+                    held.append(message)
+                    continue
+                for earlier in held:  # released meanwhile: what was held goes first, in order
+                    self.front.send_multipart(earlier)
+                held.clear()
+                self.front.send_multipart(message)
+                if layer == 0:
+                    self.first_layer_relayed.set()
+        for back in backs.values():
+            back.close(linger=0)
         self.front.close(linger=0)
 
     def stop(self) -> None:
@@ -177,20 +218,67 @@ def _drop_a_frame(reply: list[bytes]) -> list[bytes]:
 
 
 @pytest.mark.parametrize("damage", [_flip_a_bit, _truncate, _drop_a_frame])
-def test_a_damaged_payload_is_refused_and_the_prompt_recomputed(llama_path, producer, expected, damage):
+def test_a_damaged_layer_is_refused_and_the_prompt_recomputed(llama_path, producer, expected, damage):
+    """The last layer is damaged: the earlier ones are in the blocks by then, and must not be used."""
     prompts = _prompts()
     _prefill(producer, prompts)
-    proxy = DamagingProxy(producer.endpoint, damage)
+    proxy = RelayingProxy(producer.endpoint, damage)
     proxy.start()
     try:
         counter = ScheduledTokens()
         consumer = _engine(llama_path, "kv_consumer", counter, peers=[proxy.endpoint], fetch_timeout_s=10)
         assert _generate(consumer, prompts) == expected
         assert proxy.num_damaged == len(LENGTHS)
+        assert _worker_counter(consumer, "num_layers_loaded") == len(LENGTHS) * (_num_layers(consumer) - 1)
         assert consumer.engine.scheduler_stats.prefix_cache_external_hits == 0
         assert counter.total == sum(LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
         consumer.engine.shutdown()
     finally:
+        proxy.stop()
+
+
+def _wait_until(condition, step=None, limit_s: float = 60.0) -> None:
+    """Step (if given) until ``condition()``; a failure, not a hang, if it never comes."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came"
+        if step is not None:
+            step()
+        else:
+            time.sleep(0.01)
+
+
+def test_each_layer_is_copied_in_as_it_arrives_and_the_request_runs_once_all_are(llama_path, producer, expected):
+    """The producer's layers after the first are held back: the first is in the consumer's blocks
+    (equal to the producer's) while the request still waits; released, the output is a colocated run's."""
+    prompt, want = _prompts()[3], expected[3]
+    asked = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    (answer,) = [o.kv_transfer_params for o in producer.generate([{"prompt_token_ids": prompt}], asked)]
+    proxy = RelayingProxy(producer.endpoint, hold_from=1)
+    proxy.start()
+    host, port = proxy.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    consumer = _engine(llama_path, "kv_consumer", fetch_timeout_s=120)
+    try:
+        engine = consumer.engine
+        engine.add_request("r", {"prompt_token_ids": prompt},
+                           _with_params({**answer, "remote_host": host, "remote_port": int(port)}))
+        _wait_until(lambda: _worker_counter(consumer, "num_layers_loaded") >= 1, engine.step)
+        assert proxy.first_layer_relayed.is_set()
+        assert engine.core.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert _worker_counter(consumer, "num_layers_loaded") == 1  # the others are held back
+        loaded = _loadable(len(prompt)) // BLOCK
+        mine = engine.core.kv_manager.get_block_ids("r")[:loaded]
+        theirs = answer["remote_block_ids"][:loaded]
+        first_layer = on_rank_zero(consumer, lambda worker: worker.runner.kv_caches[0][0][mine].clone())
+        assert torch.equal(first_layer, on_rank_zero(producer, lambda worker: worker.runner.kv_caches[0][0][theirs]))
+        proxy.release.set()
+        outputs = []
+        _wait_until(lambda: outputs and outputs[-1].finished, lambda: outputs.extend(engine.step()))
+        assert list(outputs[-1].outputs[0].token_ids) == want
+        assert _worker_counter(consumer, "num_layers_loaded") == _num_layers(consumer)
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == _loadable(len(prompt))
+    finally:
+        consumer.engine.shutdown()
         proxy.stop()
 
 
@@ -307,3 +395,31 @@ def test_under_tensor_parallelism_each_rank_fetches_its_own_heads_from_its_produ
     assert _free_blocks(producer)[0] == _free_blocks(producer)[1]
     consumer.engine.shutdown()
     producer.engine.shutdown()
+
+
+def test_a_peer_whose_answer_breaks_midway_gives_way_to_the_next_ones_whole_answer(llama_path, producer, expected):
+    """The first answer's last layer is damaged after its other layers were copied in; the second
+    peer's answer (held back until then) is loaded from its first layer: no recompute."""
+    prompts = _prompts()[2:3]
+    _prefill(producer, prompts)
+    damaged = RelayingProxy(producer.endpoint, _flip_a_bit)
+    late = RelayingProxy(producer.endpoint, hold_from=-1)
+    damaged.start()
+    late.start()
+    consumer = _engine(llama_path, "kv_consumer", peers=[damaged.endpoint, late.endpoint], fetch_timeout_s=120)
+    try:
+        engine = consumer.engine
+        engine.add_request("r", {"prompt_token_ids": prompts[0]}, GREEDY)
+        _wait_until(lambda: damaged.num_damaged == 1, engine.step)
+        late.release.set()
+        outputs = []
+        _wait_until(lambda: outputs and outputs[-1].finished, lambda: outputs.extend(engine.step()))
+        assert list(outputs[-1].outputs[0].token_ids) == expected[2]
+        assert consumer.engine.scheduler_stats.prefix_cache_external_hits == _loadable(LENGTHS[2])
+        layers = _num_layers(consumer)
+        assert _worker_counter(consumer, "num_layers_loaded") == (layers - 1) + layers
+        assert (_worker_counter(consumer, "num_fetched"), _worker_counter(consumer, "num_failed_fetches")) == (1, 0)
+    finally:
+        consumer.engine.shutdown()
+        damaged.stop()
+        late.stop()

@@ -15,10 +15,12 @@ peer) port plus ``r``: a producer takes as many consecutive ports as it has rank
 
 A producer keeps the blocks of each prompt it finishes and offers them under their prefix-cache
 hashes; a consumer asks its peers for the hashes of a prompt's prefix, and the one that holds
-them all sends them, layer by layer, straight from its paged cache. Every block carries a
-checksum; a short or corrupt payload, a refusal, a dead or silent peer all end in the same
-place: the consumer computes the prompt. A producer frees a prompt's blocks once it has sent
-them, or when its lease ends.
+them all sends them, layer by layer, straight from its paged cache; the consumer copies each
+layer into its blocks as it arrives (one copy, from the buffer zmq received it in), while the
+next is on its way. Every layer's payload carries a checksum; a short or corrupt payload, a
+refusal, a dead or silent peer all end in the same place: the consumer computes the prompt (the
+request runs only once every layer is in, so a partial load is never read). A producer frees a
+prompt's blocks once it has sent them, or when its lease ends.
 """
 
 from __future__ import annotations

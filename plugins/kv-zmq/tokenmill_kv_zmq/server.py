@@ -1,15 +1,16 @@
-"""A producer's server thread: answers fetches from the offered blocks, straight from the cache."""
+"""A producer's server thread: answers fetches from the offered blocks, layer by layer, straight from the cache."""
 
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
 
 import zmq
 
 from tokenmill_kv_zmq.offers import OfferBook
-from tokenmill_kv_zmq.wire import FETCH, MISSING, KVCaches, kv_reply
+from tokenmill_kv_zmq.wire import FETCH, MISSING, KVCaches, block_runs, kv_header, layer_message
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,23 @@ class KVServer(threading.Thread):
         req_id, block_ids = found
         sent = False
         try:
-            reply = kv_reply(self.kv_caches, hashes, block_ids)
-            tracker = self._socket.send_multipart([identity, *reply], copy=False, track=True)
-            tracker.wait(_SEND_TIMEOUT_S)  # zero-copy: the cache must not change until zmq is done with it
+            self._send_layers(identity, hashes, block_ids)
             sent = True
             self.num_served += 1
         except (zmq.ZMQError, zmq.NotDone) as exc:
             logger.warning("kv_zmq: sending the KV of %s failed: %s", req_id, exc)
         finally:
             self.offers.end_fetch(req_id, sent)
+
+    def _send_layers(self, identity: bytes, hashes: list[str], block_ids: list[int]) -> None:
+        """The header, then each layer's blocks as views of the cache (zmq sends them from its I/O
+        thread while the next layer's digest is computed); returns once zmq let go of them all,
+        for the cache must not change before."""
+        runs = block_runs(block_ids)
+        self._socket.send_multipart([identity, *kv_header(self.kv_caches, hashes, runs)])
+        trackers = [self._socket.send_multipart([identity, *layer_message(self.kv_caches, layer, runs)],
+                                                copy=False, track=True)
+                    for layer in range(len(self.kv_caches))]
+        deadline = time.monotonic() + _SEND_TIMEOUT_S
+        for tracker in trackers:
+            tracker.wait(max(0.0, deadline - time.monotonic()))

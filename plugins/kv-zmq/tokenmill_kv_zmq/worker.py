@@ -1,21 +1,22 @@
-"""The worker half: a producer serves its offered blocks from a thread; a consumer fetches on a
-thread pool and copies what arrived, checked, into its blocks between forwards."""
+"""The worker half: a producer serves its offered blocks from a thread, layer by layer; a consumer
+fetches on a thread pool, each fetch copying layer ``i`` into its blocks as soon as it arrived
+and was checked, while the next layer is still on its way."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
 from tokenmill.plugin_api import AttentionMetadata, KVCache, KVConnectorContext, KVConnectorOutput
-from tokenmill_kv_zmq.fetch import FetchFailed, fetch_blocks
+from tokenmill_kv_zmq.fetch import FetchFailed, FetchTarget, fetch_layers
 from tokenmill_kv_zmq.offers import OfferBook
-from tokenmill_kv_zmq.options import BlockRef, FetchSource, ZmqMetadata, ZmqOptions, rank_endpoint
+from tokenmill_kv_zmq.options import FetchSource, ZmqMetadata, ZmqOptions, rank_endpoint
 from tokenmill_kv_zmq.server import KVServer
-from tokenmill_kv_zmq.wire import scatter
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +24,16 @@ _FETCH_THREADS = 4
 
 
 class _Fetch:
-    def __init__(self, blocks: list[BlockRef], future: Future[list[list[bytes]]], cancelled: threading.Event) -> None:
-        self.blocks = blocks
+    def __init__(self, target: FetchTarget, future: Future[tuple[int, float]]) -> None:
+        self.target = target
         self.future = future
-        self.cancelled = cancelled
+
+    def cancel(self) -> None:
+        """Stop writing its blocks: once this returns, no layer of it is written any more."""
+        self.target.cancelled.set()
+        self.future.cancel()
+        with self.target.guard:  # a layer being copied in now is done after this
+            pass
 
 
 class ZmqWorker:
@@ -45,6 +52,9 @@ class ZmqWorker:
         # Counters, for a test or a benchmark to read.
         self.num_fetched = self.num_failed_fetches = 0
         self.bytes_fetched = 0
+        self.seconds_fetching = 0.0  # wall time of the fetches that loaded, from the ask to the last layer in
+        self.num_layers_loaded = 0  # layers copied in, by every fetch (a failed one's too)
+        self._counter_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: list[KVCache]) -> None:
         self.kv_caches = kv_caches
@@ -63,24 +73,33 @@ class ZmqWorker:
             self.offers.cancel(req_id)
             fetch = self._fetches.pop(req_id, None)
             if fetch is not None:  # its blocks may be another request's in this very step
-                fetch.cancelled.set()
-                fetch.future.cancel()
+                fetch.cancel()
 
     def start_load_kv(self) -> None:
         for req_id, blocks in self._metadata.loads.items():
-            cancelled = threading.Event()
             source = self._metadata.sources.get(req_id) or FetchSource(tuple(self.options.peers))
             peers = [rank_endpoint(peer, self.rank) for peer in source.peers]
-            future = self._pool.submit(fetch_blocks, self._zmq, peers, [h for _, h in blocks],
-                                       self.kv_caches, self.options.fetch_timeout_s, cancelled,
-                                       source.remote_request_id)
-            self._fetches[req_id] = _Fetch(blocks, future, cancelled)
+            target = FetchTarget([h for _, h in blocks], [block_id for block_id, _ in blocks], self.kv_caches,
+                                 on_layer=self._count_layer)
+            future = self._pool.submit(self._timed_fetch, peers, target, source.remote_request_id)
+            self._fetches[req_id] = _Fetch(target, future)
+
+    def _timed_fetch(self, peers: list[str], target: FetchTarget, remote_request_id: str | None) -> tuple[int, float]:
+        started = time.perf_counter()
+        loaded = fetch_layers(self._zmq, peers, target, self.options.fetch_timeout_s, remote_request_id)
+        return loaded, time.perf_counter() - started
+
+    def _count_layer(self, _layer: int) -> None:
+        with self._counter_lock:
+            self.num_layers_loaded += 1
 
     def wait_for_layer_load(self, layer_index: int) -> None:
-        """A request runs only once its whole prefix arrived: nothing to wait for per layer."""
+        """Nothing to wait for: the core runs a request only once its load is reported complete
+        (it waits in WAITING_FOR_REMOTE_KVS meanwhile), so no forward reads a block being loaded.
+        The layers still overlap: a fetch copies layer i in while layer i + 1 arrives."""
 
     def save_kv_layer(self, layer_index: int, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
-        """Blocks are served from the cache itself, when asked: nothing to copy per layer."""
+        """Blocks are served from the cache itself, layer by layer, when asked: nothing to copy here."""
 
     def wait_for_save(self) -> None:
         """The forward wrote this step's prompt blocks: offer them."""
@@ -95,22 +114,23 @@ class ZmqWorker:
         return output
 
     def _finish_fetch(self, req_id: str, fetch: _Fetch) -> None:
+        """A fetch has ended: every layer is in its blocks, or it failed (what it wrote is garbage)."""
         try:
-            frames = fetch.future.result()
-        except FetchFailed as exc:
-            logger.warning("kv_zmq: request %s: no KV from the producers (%s); computing its prompt", req_id, exc)
+            loaded, seconds = fetch.future.result()
+        except Exception as exc:  # FetchFailed, or a fault in the fetch thread: the prompt is computed either way
+            log = logger.warning if isinstance(exc, FetchFailed) else logger.exception
+            log("kv_zmq: request %s: no KV from the producers (%s); computing its prompt", req_id, exc)
             self.num_failed_fetches += 1
             self._output.failed_recving.add(req_id)
             return
-        for (block_id, _hash), block in zip(fetch.blocks, frames, strict=True):
-            scatter(block, self.kv_caches, block_id)
-            self.bytes_fetched += sum(len(f) for f in block)
         self.num_fetched += 1
+        self.bytes_fetched += loaded
+        self.seconds_fetching += seconds
         self._output.finished_recving.add(req_id)
 
     def shutdown(self) -> None:
         for fetch in self._fetches.values():
-            fetch.cancelled.set()
+            fetch.target.cancelled.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.stop()
