@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -9,14 +10,7 @@ from tiny_models import build_model
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory):
     """``model_factory(arch)`` -> folder of a tiny checkpoint, built once per session."""
-    cache: dict[str, Path] = {}
-
-    def make(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_model(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return make
+    return functools.cache(lambda arch: build_model(tmp_path_factory.mktemp(arch), arch))
 
 
 @pytest.fixture(scope="session")

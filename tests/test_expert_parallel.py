@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from moe_models import build_moe_model
+from test_golden import _assert_matches
 from tiny_models import hf_greedy
 
 from tokenmill import LLM, SamplingParams
@@ -158,14 +159,6 @@ def qwen2_moe(tmp_path_factory):
 def _generate(llm: LLM) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
-
-
-def _assert_matches(outputs, expected) -> None:
-    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens, f"prompt {i}: greedy tokens differ from transformers"
-        ours = [next(iter(step.values())).logprob for step in completion.logprobs]
-        assert ours == pytest.approx(logprobs, abs=1e-3), f"prompt {i}: logprobs differ"
 
 
 def test_fewer_experts_than_ranks_fails_the_engine_start(mixtral, tmp_path):

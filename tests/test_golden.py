@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from tiny_models import hf_greedy
@@ -32,6 +33,13 @@ def _assert_matches(outputs, expected) -> None:
         assert completion.token_ids == tokens, f"prompt {i}: greedy tokens differ from transformers"
         ours = [next(iter(step.values())).logprob for step in completion.logprobs]
         assert ours == pytest.approx(logprobs, abs=1e-3), f"prompt {i}: logprobs differ"
+
+
+def _generate(path: Path, **options):
+    """An engine on ``path`` (float32) and its greedy outputs of the prompts of seed 1 (for the
+    other families' golden tests)."""
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="32MiB", **options)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ float32, a batch of 8 prompts of 5 to 60 tokens, sliding windows shorter than mo
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import pytest
 from family_models import build_family_model
-from test_golden import _assert_matches, _greedy, _prompts
+from test_golden import _assert_matches, _generate, _greedy, _prompts
 from tiny_models import hf_greedy
 from worker_probe import attention_backend
 
@@ -20,31 +20,12 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def family_model(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_family_model(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return make
+    return functools.cache(lambda arch: build_family_model(tmp_path_factory.mktemp(arch), arch))
 
 
 @pytest.fixture(scope="module")
 def family_reference(family_model):
-    cache: dict[str, list] = {}
-
-    def get(arch: str) -> list:
-        if arch not in cache:
-            cache[arch] = hf_greedy(family_model(arch), _prompts(1), MAX_NEW)
-        return cache[arch]
-
-    return get
-
-
-def _generate(path: Path, **options):
-    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="32MiB", **options)
-    return llm, llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
+    return functools.cache(lambda arch: hf_greedy(family_model(arch), _prompts(1), MAX_NEW))
 
 
 @pytest.mark.parametrize(("arch", "backend"), [

@@ -4,11 +4,11 @@ with prompts prefilled in chunks of 16 tokens and with prefix-cache hits."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import pytest
 from gpt_models import GPT_ARCHS, build_gpt_model
-from test_golden import _assert_matches, _greedy, _prompts
+from test_golden import _assert_matches, _generate, _greedy, _prompts
 from tiny_models import hf_greedy
 from worker_probe import attention_backend
 
@@ -20,31 +20,12 @@ ARCHS = sorted(GPT_ARCHS)
 
 @pytest.fixture(scope="module")
 def gpt_model(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_gpt_model(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return make
+    return functools.cache(lambda arch: build_gpt_model(tmp_path_factory.mktemp(arch), arch))
 
 
 @pytest.fixture(scope="module")
 def gpt_reference(gpt_model):
-    cache: dict[str, list] = {}
-
-    def get(arch: str) -> list:
-        if arch not in cache:
-            cache[arch] = hf_greedy(gpt_model(arch), _prompts(1), MAX_NEW)
-        return cache[arch]
-
-    return get
-
-
-def _generate(path: Path, **options):
-    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="32MiB", **options)
-    return llm, llm.generate([{"prompt_token_ids": p} for p in _prompts(1)], _greedy())
+    return functools.cache(lambda arch: hf_greedy(gpt_model(arch), _prompts(1), MAX_NEW))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-paged"])

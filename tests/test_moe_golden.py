@@ -5,6 +5,7 @@ latent attention) and with two tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from moe_models import build_moe_model
 from safetensors.torch import load_file, save_file
+from test_golden import _assert_matches
 from tiny_models import hf_greedy
 from worker_probe import attention_backend
 
@@ -25,24 +27,14 @@ DEEPSEEK = ["deepseek-v2", "deepseek-v3"]
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_moe_model(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return make
+    return functools.cache(lambda arch: build_moe_model(tmp_path_factory.mktemp(arch), arch))
 
 
 @pytest.fixture(scope="module")
 def reference(moe_path):
-    cache: dict[tuple[str, int], list] = {}
-
+    @functools.cache
     def get(arch: str, shared_prefix: int = 0) -> list:
-        if (arch, shared_prefix) not in cache:
-            cache[arch, shared_prefix] = hf_greedy(moe_path(arch), _prompts(shared_prefix), MAX_NEW)
-        return cache[arch, shared_prefix]
+        return hf_greedy(moe_path(arch), _prompts(shared_prefix), MAX_NEW)
 
     return get
 
@@ -58,14 +50,6 @@ def _prompts(shared_prefix: int = 0) -> list[list[int]]:
 def _generate(llm: LLM, prompts: list[list[int]] | None = None) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     return llm.generate([{"prompt_token_ids": p} for p in (prompts or _prompts())], params)
-
-
-def _assert_matches(outputs, expected) -> None:
-    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
-        completion = out.outputs[0]
-        assert completion.token_ids == tokens, f"prompt {i}: greedy tokens differ from transformers"
-        ours = [next(iter(step.values())).logprob for step in completion.logprobs]
-        assert ours == pytest.approx(logprobs, abs=1e-3), f"prompt {i}: logprobs differ"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

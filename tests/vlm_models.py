@@ -4,6 +4,8 @@ saved beside it, as a real LLaVA folder looks; and the transformers greedy refer
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +56,29 @@ def hf_llava_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new_
                     **processor_kwargs: Any) -> list[list[int]]:
     """Greedy tokens of transformers' LLaVA for each ``(text, images)``, one prompt at a time
     (the processor called with ``processor_kwargs``)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    return _hf_greedy_each(folder, functools.partial(processor, **processor_kwargs), prompts, max_new_tokens)
+
+
+def _hf_greedy_each(folder: Path, processor: Callable[..., Any], prompts: list[tuple[str, list[Any]]],
+                    max_new_tokens: int,
+                    adjust: Callable[[int, dict[str, Any], Any], dict[str, Any]] | None = None) -> list[list[int]]:
+    """Greedy tokens of transformers' image-text model in ``folder`` for each ``(text, images)``,
+    one prompt at a time; ``adjust(index, inputs, model_config)``, where given, changes prompt
+    ``index``'s processor output before it is generated from."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     results = []
     with torch.no_grad():
-        for text, images in prompts:
-            inputs = processor(text=text, images=images or None, return_tensors="pt", **processor_kwargs)
+        for index, (text, images) in enumerate(prompts):
+            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
+            if adjust is not None:
+                inputs = adjust(index, inputs, model.config)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=COMMON["pad_token_id"])
             results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
@@ -141,22 +156,12 @@ def hf_qwen2_vl_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_n
     """Greedy tokens of transformers' Qwen2-VL for each ``(text, images)``, one prompt at a time.
     ``videos``: prompt index -> ``(pixel_values_videos, video_grid_thw)`` for its one video,
     whose pad token the processor leaves alone and this expands."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
     processor = hf_qwen2_vl_processor(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    results = []
-    with torch.no_grad():
-        for index, (text, images) in enumerate(prompts):
-            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
-            if videos and index in videos:
-                inputs = _with_video(inputs, model.config, *videos[index])
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=COMMON["pad_token_id"])
-            results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return results
+
+    def add_video(index: int, inputs: dict[str, Any], config: Any) -> dict[str, Any]:
+        return _with_video(inputs, config, *videos[index]) if videos and index in videos else inputs
+
+    return _hf_greedy_each(folder, processor, prompts, max_new_tokens, add_video)
 
 
 def _with_video(inputs: dict[str, Any], config: Any, pixels: Any, grid: Any) -> dict[str, Any]:
@@ -294,19 +299,12 @@ def hf_gemma3_greedy(folder: Path, prompts: list[tuple[str, list[Any]]], max_new
     """Greedy tokens of transformers' Gemma 3 for each ``(text, images)``, one prompt at a time;
     ``bidirectional`` False drops the processor's ``token_type_ids``, so its image tokens attend
     causally (what the engine must not do)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder, backend="pil")
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    results = []
-    with torch.no_grad():
-        for text, images in prompts:
-            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
-            if not bidirectional:
-                inputs.pop("token_type_ids", None)
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=COMMON["pad_token_id"])
-            results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return results
+
+    def drop_token_types(index: int, inputs: dict[str, Any], config: Any) -> dict[str, Any]:
+        inputs.pop("token_type_ids", None)
+        return inputs
+
+    return _hf_greedy_each(folder, processor, prompts, max_new_tokens, None if bidirectional else drop_token_types)

@@ -4,11 +4,10 @@ tokens are supplied by the test. Also the encoder-budget counters the metrics re
 
 from __future__ import annotations
 
+from test_encoder_budget_scheduler import _request, _run_step
+
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.multimodal.inputs import MultiModalItem
-from tokenmill.request import Request
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 from tokenmill.scheduler.whole_items import whole_items_chunk
 
@@ -16,20 +15,6 @@ from tokenmill.scheduler.whole_items import whole_items_chunk
 def _scheduler(**config) -> Scheduler:
     defaults = dict(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=128, encoder_cache_size=64)
     return Scheduler(SchedulerConfig(**{**defaults, **config}), KVCacheManager(64, 4, False))
-
-
-def _request(rid: str, prompt_len: int, items: list[tuple[int, int, str]]) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + prompt_len)),
-                   sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), max_tokens=2,
-                   mm_inputs=[MultiModalItem("image", offset, length, key) for offset, length, key in items])
-
-
-def _run_step(scheduler: Scheduler) -> SchedulerOutput:
-    out = scheduler.schedule()
-    sampled = {rid: [7] for rid, n in out.num_scheduled_tokens.items()
-               if scheduler.requests[rid].num_computed_tokens + n >= scheduler.requests[rid].num_tokens}
-    scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
-    return out
 
 
 def test_a_chunk_stops_before_an_item_it_would_cut():

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ModelBuildContext
-from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_vlm.composite_weights import load_composite_weights
 from tokenmill_models_vlm.language_model import build_language_model
 from tokenmill_models_vlm.llava import _canonical as legacy_name
 from tokenmill_models_vlm.siglip import SiglipVisionTower
+from tokenmill_models_vlm.vision_language_model import VisionLanguageModel
 
 
 class Gemma3SoftEmbeddingNorm(nn.Module):
@@ -66,7 +66,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(patches)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     supports_pipeline_parallel: ClassVar[bool] = False
     # An image's tokens attend to each other both ways (read by the runner; the plugin's ModelSpec
     # says "whole_mm_items" for the scheduler).
@@ -87,20 +87,9 @@ class Gemma3ForConditionalGeneration(nn.Module):
         pixels = torch.cat([item.data["pixel_values"] for item in items]).to(weight)
         return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
-    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeddings: torch.Tensor,
-                        is_multimodal: torch.Tensor) -> torch.Tensor:
-        """The text tokens' scaled embeddings, the image rows as they are (as transformers merges them)."""
-        embeds = self.language_model.model.embed_input_ids(input_ids.masked_fill(is_multimodal, 0))
-        embeds[is_multimodal] = mm_embeddings.to(embeds.dtype)
-        return embeds
-
-    # -- the causal-LM interface -----------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def embed_text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The text tokens' scaled embeddings (the image rows stay as they are, as transformers merges them)."""
+        return self.language_model.model.embed_input_ids(input_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's tensors go to its own ``load_weights``; the tower's and the

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ModelBuildContext
-from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_vlm.clip import ACTIVATIONS, CLIPVisionTower
 from tokenmill_models_vlm.composite_weights import load_composite_weights
 from tokenmill_models_vlm.language_model import build_language_model
+from tokenmill_models_vlm.vision_language_model import VisionLanguageModel
 
 # transformers 5 names (model.vision_tower...) -> the checkpoint names this model uses
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
@@ -38,7 +38,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init__(self, config: Any, *, ctx: ModelBuildContext) -> None:
@@ -63,21 +63,6 @@ class LlavaForConditionalGeneration(nn.Module):
             states = [s[:, 1:] for s in states]
         features = self.multi_modal_projector(torch.cat(states, dim=-1))
         return list(features.unbind(0))
-
-    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeddings: torch.Tensor,
-                        is_multimodal: torch.Tensor) -> torch.Tensor:
-        embed_tokens = self.language_model.model.embed_tokens
-        embeds = embed_tokens(input_ids.masked_fill(is_multimodal, 0))  # an image token id may lie past the vocab
-        embeds[is_multimodal] = mm_embeddings.to(embeds.dtype)
-        return embeds
-
-    # -- the causal-LM interface -----------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's tensors go to its own ``load_weights``; the tower's and the

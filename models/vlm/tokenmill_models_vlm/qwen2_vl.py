@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ModelBuildContext, MRopeItem, mrope_prompt_positions
-from tokenmill.plugin_api import AttentionMetadata
 from tokenmill_models_vlm.composite_weights import load_composite_weights
 from tokenmill_models_vlm.language_model import build_language_model
 from tokenmill_models_vlm.qwen2_5_vision import Qwen2_5VisionTransformer
 from tokenmill_models_vlm.qwen2_vision import Qwen2VisionTransformer
+from tokenmill_models_vlm.vision_language_model import VisionLanguageModel
 
 # transformers 5 names first, then the original checkpoints' (visual.*, model.*, lm_head)
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
@@ -33,7 +33,7 @@ PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     supports_pipeline_parallel: ClassVar[bool] = False
     text_architecture: ClassVar[str] = "Qwen2ForCausalLM"
 
@@ -60,12 +60,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         features = self.visual(pixels, grids)
         return list(features.split([t * h * w // self.merge ** 2 for t, h, w in grids]))
 
-    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeddings: torch.Tensor,
-                        is_multimodal: torch.Tensor) -> torch.Tensor:
-        embeds = self.language_model.model.embed_tokens(input_ids.masked_fill(is_multimodal, 0))
-        embeds[is_multimodal] = mm_embeddings.to(embeds.dtype)
-        return embeds
-
     def mrope_prompt_positions(self, prompt_token_ids: list[int], items: list[Any]) -> tuple[np.ndarray, int]:
         """The prompt's M-RoPE positions ``[3, P]`` and the decode offset (transformers'
         ``get_rope_index``): each item spans its grid after the merge."""
@@ -83,14 +77,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def _grid(item: Any) -> tuple[int, int, int]:
         t, h, w = (int(v) for v in item.data[GRIDS[item.modality]].reshape(3).tolist())
         return t, h, w
-
-    # -- the causal-LM interface -----------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The language model's tensors go to its own ``load_weights``; the tower's load here."""

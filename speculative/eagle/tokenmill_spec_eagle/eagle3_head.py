@@ -66,10 +66,7 @@ class Eagle3Head(nn.Module):
 
     def empty_caches(self, start: int, device: torch.device, dtype: torch.dtype) -> list[LayerKV]:
         """One request's cache (its one layer's), starting at position ``start``."""
-        attention = self.midlayer.self_attn
-        shape = (0, attention.num_kv_heads, attention.head_size)
-        return [LayerKV(start, torch.empty(shape, device=device, dtype=dtype),
-                        torch.empty(shape, device=device, dtype=dtype))]
+        return [LayerKV.empty(start, self.midlayer.self_attn, device, dtype)]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 caches: Sequence[Sequence[LayerKV]], lengths: Sequence[int]) -> torch.Tensor:

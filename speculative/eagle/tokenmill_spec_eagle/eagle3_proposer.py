@@ -17,29 +17,28 @@ from typing import Any
 import torch
 
 from tokenmill.plugin_api import ProposerContext, SpeculativeConfig
-from tokenmill_spec_eagle.checkpoint import read_head_weights
+from tokenmill_spec_eagle.checkpoint import (
+    EAGLE3_LAYOUT,
+    check_shapes,
+    load_head,
+    read_head,
+    trained_for_another_target,
+)
 from tokenmill_spec_eagle.eagle3_head import Eagle3Head
 from tokenmill_spec_eagle.proposer import EagleProposer
-
-_UNUSED = ("t2d",)  # the target -> draft mask: drafting reads d2t only
 
 
 class Eagle3Proposer(EagleProposer):
     def _load_head(self, config: SpeculativeConfig, context: ProposerContext) -> torch.nn.Module:
         """The EAGLE-3 head of ``config.model``, checked against the target, on the CPU; sets
         ``target_layer_ids``."""
-        from transformers import LlamaConfig
-
         path = str(config.model)
-        head_config = LlamaConfig.from_pretrained(path)
+        head_config, weights = read_head(path, EAGLE3_LAYOUT)
         target_hidden = int(self.embed.weight.shape[-1])
-        weights = {name: t for name, t in read_head_weights(path, shared_prefixes=()).items()
-                   if name not in _UNUSED}
         own_embedding = "embed_tokens.weight" in weights
         trained_for = int(getattr(head_config, "target_hidden_size", None) or head_config.hidden_size)
         if trained_for != target_hidden or (not own_embedding and head_config.hidden_size != target_hidden):
-            raise ValueError(f"the EAGLE-3 head {path} has hidden_size {head_config.hidden_size}, the target "
-                             f"{target_hidden}: a head is trained for one target model")
+            raise trained_for_another_target(path, EAGLE3_LAYOUT, head_config.hidden_size, target_hidden)
         self.target_layer_ids = _target_layer_ids(head_config, self.target)
         draft_vocab = int(getattr(head_config, "draft_vocab_size", None) or head_config.vocab_size)
         if "d2t" not in weights:
@@ -47,17 +46,13 @@ class Eagle3Proposer(EagleProposer):
                 raise ValueError(f"the EAGLE-3 head {path} has a draft vocabulary of {draft_vocab} tokens and no "
                                  f"'d2t' tensor mapping them to the target's {self.vocab_size}")
             weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)  # the target's vocabulary itself
-        _check_shapes(path, weights, head_config.hidden_size, len(self.target_layer_ids) * target_hidden, draft_vocab)
+        hidden, fc_input = head_config.hidden_size, len(self.target_layer_ids) * target_hidden
+        check_shapes(path, EAGLE3_LAYOUT, weights,
+                     {"fc.weight": (hidden, fc_input), "lm_head.weight": (draft_vocab, hidden), "d2t": (draft_vocab,)})
         _check_mapping(path, weights["d2t"], self.vocab_size)
-        with torch.device("cpu"):
-            head = Eagle3Head(head_config, len(self.target_layer_ids) * target_hidden, draft_vocab,
-                              context.max_model_len + self.k, own_embedding)
         weights["d2t"] = weights["d2t"].long()
-        missing, unexpected = head.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"the EAGLE-3 head {path} does not match the EAGLE-3 layout: "
-                             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        return head
+        return load_head(lambda: Eagle3Head(head_config, fc_input, draft_vocab, context.max_model_len + self.k,
+                                            own_embedding), weights, path, EAGLE3_LAYOUT)
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """``fc`` over the target's three layers' states (``[n, 3 * H]`` -> ``[n, H]``)."""
@@ -87,15 +82,6 @@ def _target_layer_ids(head_config: Any, target: Any) -> tuple[int, ...]:
         return tuple(int(i) for i in named)
     num_layers = int(target.config.num_hidden_layers)
     return (2, num_layers // 2, num_layers - 3)
-
-
-def _check_shapes(path: str, weights: dict[str, torch.Tensor], hidden: int, fc_input: int, draft_vocab: int) -> None:
-    expected = {"fc.weight": (hidden, fc_input), "lm_head.weight": (draft_vocab, hidden), "d2t": (draft_vocab,)}
-    for name, shape in expected.items():
-        found = weights.get(name)
-        if found is None or tuple(found.shape) != shape:
-            raise ValueError(f"the EAGLE-3 head {path} needs a {name} of shape {shape}, found "
-                             f"{'none' if found is None else tuple(found.shape)}")
 
 
 def _check_mapping(path: str, d2t: torch.Tensor, vocab_size: int) -> None:

@@ -32,6 +32,12 @@ class LayerKV:
     keys: torch.Tensor  # [S, kv_heads, head_size]
     values: torch.Tensor
 
+    @classmethod
+    def empty(cls, start: int, attention: EagleAttention, device: torch.device, dtype: torch.dtype) -> LayerKV:
+        """No positions yet, for ``attention``'s KV heads."""
+        shape = (0, attention.num_kv_heads, attention.head_size)
+        return cls(start, torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (those of real, accepted tokens)."""
         self.keys, self.values = self.keys[:length], self.values[:length]
@@ -122,9 +128,7 @@ class EagleHead(nn.Module):
 
     def empty_caches(self, start: int, device: torch.device, dtype: torch.dtype) -> list[LayerKV]:
         """One request's caches (one per layer), starting at position ``start``."""
-        attention = [cast(EagleDecoderLayer, layer).self_attn for layer in self.layers]
-        return [LayerKV(start, torch.empty(0, a.num_kv_heads, a.head_size, device=device, dtype=dtype),
-                        torch.empty(0, a.num_kv_heads, a.head_size, device=device, dtype=dtype)) for a in attention]
+        return [LayerKV.empty(start, cast(EagleDecoderLayer, layer).self_attn, device, dtype) for layer in self.layers]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 caches: Sequence[Sequence[LayerKV]], lengths: Sequence[int]) -> torch.Tensor:

@@ -34,7 +34,13 @@ from tokenmill.plugin_api import (
     sample_drafts,
     samples_drafts,
 )
-from tokenmill_spec_eagle.checkpoint import read_head_weights
+from tokenmill_spec_eagle.checkpoint import (
+    EAGLE1_LAYOUT,
+    check_shapes,
+    load_head,
+    read_head,
+    trained_for_another_target,
+)
 from tokenmill_spec_eagle.head import EagleHead, LayerKV
 
 
@@ -84,27 +90,14 @@ class EagleProposer:
 
     def _load_head(self, config: SpeculativeConfig, context: ProposerContext) -> torch.nn.Module:
         """The EAGLE-1 head of ``config.model``, checked against the target, on the CPU."""
-        from transformers import LlamaConfig
-
-        assert config.model is not None
-        head_config = LlamaConfig.from_pretrained(config.model)
+        path = str(config.model)
+        head_config, weights = read_head(path, EAGLE1_LAYOUT)
         target_hidden = int(self.embed.weight.shape[-1])
         if head_config.hidden_size != target_hidden:
-            raise ValueError(f"the EAGLE head {config.model} has hidden_size {head_config.hidden_size}, the target "
-                             f"{target_hidden}: a head is trained for one target model")
-        weights = read_head_weights(config.model)
-        fc = weights.get("fc.weight")
-        if fc is None or tuple(fc.shape) != (target_hidden, 2 * target_hidden):
-            found = "none" if fc is None else tuple(fc.shape)
-            raise ValueError(f"the EAGLE head {config.model} needs an fc.weight of shape "
-                             f"{(target_hidden, 2 * target_hidden)} (EAGLE-1 layout), found {found}")
-        with torch.device("cpu"):
-            head = EagleHead(head_config, context.max_model_len + self.k, fc_bias="fc.bias" in weights)
-        missing, unexpected = head.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"the EAGLE head {config.model} does not match the EAGLE-1 layout: "
-                             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        return head
+            raise trained_for_another_target(path, EAGLE1_LAYOUT, head_config.hidden_size, target_hidden)
+        check_shapes(path, EAGLE1_LAYOUT, weights, {"fc.weight": (target_hidden, 2 * target_hidden)})
+        return load_head(lambda: EagleHead(head_config, context.max_model_len + self.k, fc_bias="fc.bias" in weights),
+                         weights, path, EAGLE1_LAYOUT)
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head reads at a position, from the target's hidden states there (EAGLE-1:
