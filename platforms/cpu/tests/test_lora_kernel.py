@@ -13,8 +13,8 @@ from tokenmill_platform_cpu.step_graph import capture_step_graph
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernels")
 
 SLOTS, RANK, IN = 3, 8, 40
-SLICES = [(0, 24), (24, 20)]  # a merged layer's two output slices
-OUT = 44
+SLICES = [(0, 72), (72, 136)]  # a merged layer's two output slices: 64-column vector passes and tails
+OUT = 208
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_bad_slots_and_shapes_are_refused(ops):
         ops.lora_delta_into(x, out, lora_a, lora_b_t, torch.tensor([0, 3], dtype=torch.int32), SLOTS, _flat(SLICES))
     with pytest.raises(RuntimeError, match="outside the output"):
         ops.lora_delta_into(x, out, lora_a, lora_b_t, torch.tensor([0, 1], dtype=torch.int32), SLOTS,
-                            _flat([(0, 24), (24, 21)]))
+                            _flat([(0, 72), (72, 137)]))
 
 
 def test_a_replay_applies_the_slots_and_weights_written_since(ops):

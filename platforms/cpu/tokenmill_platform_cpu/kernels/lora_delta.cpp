@@ -9,17 +9,21 @@
 //
 // Why a kernel: a decode step of 32 requests on 4 adapters runs this on every wrapped layer
 // (32 in an 8-layer Llama). As torch ops from Python (gather, two grouped matmuls, index_add)
-// each call cost more in dispatch than its ~60k multiply-adds per token; and torch ops cannot
-// be replayed by a step graph (step_graph.cpp), which records this kernel instead, so LoRA
-// steps keep their step graphs. The slots tensor is read at every run: a replay sees the
-// slots the caller wrote into it since.
+// such small calls cost more than their arithmetic (docs/benchmarks.md, "LoRA adapters"); and
+// torch ops cannot be replayed by a step graph (step_graph.cpp), which records this kernel
+// instead, so LoRA steps keep their step graphs. The slots tensor is read at every run: a
+// replay sees the slots the caller wrote into it since.
 //
-// Tokens are grouped by slot in blocks of four: each A row is read once per block (four dot
-// products side by side), each B row once per block and output chunk. The blocks run in
-// parallel (tokenmill::parallel_for); each writes only its own tokens' rows.
+// Tokens are grouped by slot in blocks of four: with AVX-512, four A rows meet the four tokens
+// at once (16 accumulators: each loaded vector feeds four multiply-adds), and 64 output columns
+// of the four stay in registers across the rank rows of B (each B vector loaded once for the
+// four); without it, loops the compiler vectorises. The blocks run in parallel
+// (tokenmill::parallel_for); each writes only its own tokens' rows.
 #include <ATen/ATen.h>
 
 #include "thread_pool.h"
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -36,8 +40,8 @@ struct Block {
   int64_t tokens[kBlock];
 };
 
-// y[b * columns + c] = A[c] . x_b for the block's (up to four) tokens; x[b] repeats x[0] past count.
-void shrink(const float* a, int64_t columns, int64_t k, const float* const (&x)[kBlock], float* y) {
+// y[b * y_stride + c] = A[c] . x_b for the block's (up to four) tokens; x[b] repeats x[0] past count.
+void shrink(const float* a, int64_t columns, int64_t k, const float* const (&x)[kBlock], float* y, int64_t y_stride) {
   const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
   for (int64_t c = 0; c < columns; ++c) {
     const float* row = a + c * k;
@@ -51,16 +55,16 @@ void shrink(const float* a, int64_t columns, int64_t k, const float* const (&x)[
       s3 += w * x3[i];
     }
     y[c] = s0;
-    y[columns + c] = s1;
-    y[2 * columns + c] = s2;
-    y[3 * columns + c] = s3;
+    y[y_stride + c] = s1;
+    y[2 * y_stride + c] = s2;
+    y[3 * y_stride + c] = s3;
   }
 }
 
-// out_b[offset .. offset+size] += sum_j y_b[j] * Bt[j][offset .. offset+size] over the slice's rank rows
+// out_b[offset + o] += sum_j y_b[j] * Bt[j][offset + o] over the slice's rank rows, for o in [start, size)
 void expand(const float* bt, int64_t n, int64_t rank, int64_t offset, int64_t size, const float* y,
-            int64_t columns, int count, float* const (&out)[kBlock]) {
-  for (int64_t o0 = 0; o0 < size; o0 += kOutChunk) {
+            int64_t columns, int count, float* const (&out)[kBlock], int64_t start = 0) {
+  for (int64_t o0 = start; o0 < size; o0 += kOutChunk) {
     const int64_t len = std::min(kOutChunk, size - o0);
     for (int b = 0; b < count; ++b) {
       float* row = out[b] + offset + o0;
@@ -74,6 +78,82 @@ void expand(const float* bt, int64_t n, int64_t rank, int64_t offset, int64_t si
       }
     }
   }
+}
+
+#ifdef __AVX512F__
+// As shrink, with AVX-512: four A rows against the four tokens at once (16 accumulators), so
+// each loaded vector feeds four multiply-adds.
+void shrink_avx512(const float* a, int64_t columns, int64_t k, const float* const (&x)[kBlock], float* y) {
+  int64_t c = 0;
+  for (; c + 4 <= columns; c += 4) {
+    __m512 acc[4][kBlock];
+    for (auto& row : acc)
+      for (auto& v : row) v = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+      __m512 xv[kBlock];
+      for (int b = 0; b < kBlock; ++b) xv[b] = _mm512_loadu_ps(x[b] + i);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 w = _mm512_loadu_ps(a + (c + r) * k + i);
+        for (int b = 0; b < kBlock; ++b) acc[r][b] = _mm512_fmadd_ps(w, xv[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int b = 0; b < kBlock; ++b) {
+        float sum = _mm512_reduce_add_ps(acc[r][b]);
+        for (int64_t tail = i; tail < k; ++tail) sum += a[(c + r) * k + tail] * x[b][tail];
+        y[b * columns + c + r] = sum;
+      }
+  }
+  if (c < columns) shrink(a + c * k, columns - c, k, x, y + c, columns);
+}
+
+// As expand, with AVX-512: 64 output columns of the four tokens held in registers across the
+// slice's rank rows, each B vector loaded once for the four.
+void expand_avx512(const float* bt, int64_t n, int64_t rank, int64_t offset, int64_t size, const float* y,
+                   int64_t columns, int count, float* const (&out)[kBlock]) {
+  constexpr int kVectors = 4;
+  int64_t o = 0;
+  for (; o + 16 * kVectors <= size; o += 16 * kVectors) {
+    __m512 acc[kBlock][kVectors];
+    for (int b = 0; b < kBlock; ++b)
+      for (int v = 0; v < kVectors; ++v)
+        acc[b][v] = b < count ? _mm512_loadu_ps(out[b] + offset + o + 16 * v) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; ++j) {
+      bool any = false;
+      for (int b = 0; b < count; ++b) any |= y[b * columns + j] != 0.f;
+      if (!any) continue;  // a smaller rank's zero padding
+      const float* b_row = bt + j * n + offset + o;
+      __m512 bv[kVectors];
+      for (int v = 0; v < kVectors; ++v) bv[v] = _mm512_loadu_ps(b_row + 16 * v);
+      for (int b = 0; b < kBlock; ++b) {
+        const __m512 coefficient = _mm512_set1_ps(y[b * columns + j]);
+        for (int v = 0; v < kVectors; ++v) acc[b][v] = _mm512_fmadd_ps(coefficient, bv[v], acc[b][v]);
+      }
+    }
+    for (int b = 0; b < count; ++b)
+      for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(out[b] + offset + o + 16 * v, acc[b][v]);
+  }
+  if (o < size) expand(bt, n, rank, offset, size, y, columns, count, out, o);
+}
+#endif
+
+// The vector bodies where the build has AVX-512, else the loops the compiler vectorises as it can.
+void shrink_block(const float* a, int64_t columns, int64_t k, const float* const (&x)[kBlock], float* y) {
+#ifdef __AVX512F__
+  shrink_avx512(a, columns, k, x, y);
+#else
+  shrink(a, columns, k, x, y, columns);
+#endif
+}
+
+void expand_block(const float* bt, int64_t n, int64_t rank, int64_t offset, int64_t size, const float* y,
+                  int64_t columns, int count, float* const (&out)[kBlock]) {
+#ifdef __AVX512F__
+  expand_avx512(bt, n, rank, offset, size, y, columns, count, out);
+#else
+  expand(bt, n, rank, offset, size, y, columns, count, out);
+#endif
 }
 
 std::vector<Block> slot_blocks(const int32_t* slots, int64_t tokens, int64_t num_slots) {
@@ -128,9 +208,16 @@ void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora
   const float* a = lora_a.data_ptr<float>();
   const float* bt = lora_b_t.data_ptr<float>();
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  // enough multiply-adds per task to pay for the threads (~256k, as the other kernels' grains)
+  // enough multiply-adds per task to pay for the threads (~256k, as the other kernels' grains),
+  // and a slot's blocks together where there are slots enough for the threads: the blocks of one
+  // slot read the same A and B, which a second thread would read from memory again (the step's
+  // adapters are ~9% of a tiny Llama's weights at 4 x rank 16 on every projection)
   const int64_t per_block = kBlock * (columns * k + rank * n);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, per_block));
+  int64_t slots_used = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) slots_used += i == 0 || blocks[i].slot != blocks[i - 1].slot;
+  const int64_t parts = std::max<int64_t>(slots_used, tokenmill::pool_threads());
+  const int64_t per_part = static_cast<int64_t>(blocks.size()) / parts;
+  const int64_t grain = std::max<int64_t>({1, (int64_t{1} << 18) / std::max<int64_t>(1, per_block), per_part});
   tokenmill::parallel_for(0, static_cast<int64_t>(blocks.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> y(kBlock * columns);
     for (int64_t index = begin; index < end; ++index) {
@@ -142,10 +229,10 @@ void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora
         rows[b] = xs + t * x_stride;
         targets[b] = outs + t * out_stride;
       }
-      shrink(a + block.slot * columns * k, columns, k, rows, y.data());
+      shrink_block(a + block.slot * columns * k, columns, k, rows, y.data());
       for (int64_t i = 0; i < n_slices; ++i)
-        expand(bt + (block.slot * columns + i * rank) * n, n, rank, slices[2 * i], slices[2 * i + 1],
-               y.data() + i * rank, columns, block.count, targets);
+        expand_block(bt + (block.slot * columns + i * rank) * n, n, rank, slices[2 * i], slices[2 * i + 1],
+                     y.data() + i * rank, columns, block.count, targets);
     }
   });
 }
