@@ -17,6 +17,11 @@ each output shard; a row-parallel layer (o, down) keeps the columns of A for its
 input and B whole, and all-reduces the shrunk ``x A^T`` (``num_slots * max_rank`` columns: far
 less than the output) before the expand, since the base output it adds to is already reduced.
 
+A platform may bring a kernel that does shrink and expand in one call by each token's slot
+(:class:`LoRADeltaOps`, found on its layer ops: the CPU's C++ one). Decode-sized steps take it;
+since a step graph can record it, LoRA steps then keep their step graphs
+(:meth:`tokenmill.lora.model_slots.LoRAModelSlots.enable_step_graphs`).
+
 The layer's forward gets a hook; the model's own code is untouched.
 """
 
@@ -25,13 +30,45 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.ops import layer_ops
 from tokenmill.lora.adapter import LoRAModuleWeights
 from tokenmill.lora.segments import SlotSegments, grouped_delta_into, grouped_mm_works
+
+# Decode-sized steps (up to this many tokens) take a platform's LoRADeltaOps kernel outside a
+# step graph too; longer ones (prefill chunks) the segment path, whose grouped matmuls run on BLAS.
+KERNEL_MAX_TOKENS = 256
+
+
+class LoRADeltaOps(Protocol):
+    """A platform's fused LoRA kernel, an optional part of its layer ops (``tokenmill.layers.ops``).
+
+    ``lora_delta_into`` adds ``B_s A_s x[t]`` to ``out[t]`` in place for each token ``t`` whose
+    slot ``s = token_slots[t]`` is not -1 (int32 [T]), over a layer's slot-stacked ``lora_a``
+    ``[num_slots * C, in]`` and ``lora_b_t`` ``[num_slots * C, out]`` (B transposed), where each
+    output slice ``(offset, size)`` (``slices``, flattened) takes its ``C / len(slices)`` rank rows
+    of a slot's ``C``; returns ``out``. It must read ``token_slots`` and the weights at every call
+    and, if the platform captures step graphs, be one the graph records: a replay then applies the
+    slots written into the same tensor since."""
+
+    def lora_delta_supported(self, dtype: torch.dtype) -> bool: ...
+
+    def lora_delta_into(self, x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
+                        token_slots: torch.Tensor, num_slots: int, slices: list[int]) -> torch.Tensor: ...
+
+
+def delta_kernel(device: torch.device, dtype: torch.dtype) -> LoRADeltaOps | None:
+    """The platform's LoRA kernel for layers on ``device`` in ``dtype``, if it has one."""
+    ops = layer_ops(device)
+    supported = getattr(ops, "lora_delta_supported", None)  # optional: looked up, not subclassed
+    if supported is None or not hasattr(ops, "lora_delta_into") or not supported(dtype):
+        return None
+    return cast(LoRADeltaOps, ops)
 
 
 class LoRABatch:
@@ -40,6 +77,9 @@ class LoRABatch:
     ``token_slots`` [T] int32 (-1: the base model) is the same by index, for the GPU kernel;
     ``active_slots`` the slots the step's tokens use (a layer none of whose adapters is among
     them skips its work; None: not known, every layer works).
+    ``graph_step``: a decode step a step graph may capture or replay: every layer with a platform
+    kernel runs it by ``token_slots`` (no mask), whatever adapters the step has, so that a
+    captured graph holds every layer's LoRA call for the steps it is replayed for.
 
     The vocabulary layers (:mod:`tokenmill.lora.vocab_layers`) take their rows' mask once per
     use: the embedding the step's mask at its first lookup, the lm_head the rows the runner
@@ -50,12 +90,14 @@ class LoRABatch:
         self.token_slots: torch.Tensor | None = None
         self.active_slots: frozenset[int] | None = None
         self.segments: SlotSegments | None = None  # the adapter tokens by slot, for the segment path
+        self.graph_step = False
         self._embedding_pending = False
         self._logits_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def set_step(self, mask: torch.Tensor | None, slots: torch.Tensor | None, active: frozenset[int] | None,
-                 segments: SlotSegments | None = None) -> None:
+                 segments: SlotSegments | None = None, graph_step: bool = False) -> None:
         self.token_mask, self.token_slots, self.active_slots, self.segments = mask, slots, active, segments
+        self.graph_step = graph_step
         self._embedding_pending = mask is not None
         self._logits_rows = None
 
@@ -92,8 +134,9 @@ class LoRAWeights(nn.Module):
 
     lora_a: torch.Tensor  # [num_slots * n * max_rank, in]
     lora_b: torch.Tensor  # [out, num_slots * n * max_rank]
+    lora_b_t: torch.Tensor  # B transposed, [num_slots * n * max_rank, out]: the platform kernel's layout
 
-    def __init__(self, layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
+    def __init__(self, layer: Linear, num_slots: int, max_rank: int, batch: LoRABatch, kernel: bool = True) -> None:
         super().__init__()
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
         self.parallel, self.comm, self.loader = layer.parallel, layer.comm, layer.output_loader
@@ -108,6 +151,14 @@ class LoRAWeights(nn.Module):
         # the segment path where grouped_mm takes this layer's shapes (the CPU's; CUDA has the Triton kernels)
         self.segmented = grouped_mm_works(device, dtype, num_slots, columns // num_slots, layer.in_features,
                                           layer.out_features)
+        # the platform's fused kernel (``kernel``: wanted), not for a row-parallel layer under tensor
+        # parallelism, whose all-reduce comes between the shrink and the expand
+        self.kernel = (delta_kernel(device, dtype) if kernel and (self.parallel != "row" or self.comm.world_size == 1)
+                       else None)
+        self.kernel_slices = [value for piece in self.slices for value in piece]  # (offset, size) pairs, flat
+        if self.kernel is not None:
+            self.register_buffer("lora_b_t", torch.zeros(columns, layer.out_features, device=device, dtype=dtype),
+                                 persistent=False)
 
     def set_slot(self, slot: int, slices: list[LoRAModuleWeights | None]) -> None:
         """Put one adapter's matrices (one per output slice, None where it has none) into ``slot``."""
@@ -121,11 +172,16 @@ class LoRAWeights(nn.Module):
             cols = self.lora_b[offset : offset + size, first : first + r_max]
             rows.zero_()
             cols.zero_()
+            rows_t = self.lora_b_t[first : first + r_max, offset : offset + size] if self.kernel is not None else None
+            if rows_t is not None:
+                rows_t.zero_()
             if weights is not None:
                 lora_a, lora_b = self._rank_part(i, weights)
                 r = lora_a.shape[0]
                 rows[:r].copy_(lora_a)
                 cols[:, :r].copy_(lora_b)
+                if rows_t is not None:
+                    rows_t[:r].copy_(lora_b.T)
 
     def _rank_part(self, slice_index: int, weights: LoRAModuleWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of one module's (whole, checkpoint-shaped) A and B."""
@@ -143,7 +199,8 @@ class LoRAWeights(nn.Module):
     def delta_into(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor,
                    slots: torch.Tensor | None = None, segments: SlotSegments | None = None) -> torch.Tensor:
         """``out`` plus every token's adapter contribution, in place: by ``slots``, each token's
-        slot index, where the GPU kernel runs; by ``segments`` (the tokens grouped by slot,
+        slot index, where the GPU kernel runs, or the platform's kernel (:class:`LoRADeltaOps`) for up
+        to ``KERNEL_MAX_TOKENS`` tokens; by ``segments`` (the tokens grouped by slot,
         :mod:`tokenmill.lora.segments`) where grouped_mm takes the layer; else by ``mask``."""
         kernels = _gpu_kernels() if x.is_cuda and slots is not None else None
         if kernels is not None and slots is not None:  # each token reads only its own slot's A and B
@@ -151,6 +208,8 @@ class LoRAWeights(nn.Module):
             if self.parallel == "row":
                 y = self.comm.all_reduce(y)
             return kernels.lora_expand_into(y, self.lora_b, slots, out, self.num_slots)
+        if self.kernel is not None and slots is not None and x.dim() == 2 and len(x) <= KERNEL_MAX_TOKENS:
+            return self.kernel_delta_into(x, out, slots)
         if segments is not None and self.segmented:
             reduce = self.comm.all_reduce if self.parallel == "row" else None
             return grouped_delta_into(x, out, self.lora_a, self.lora_b, self.num_slots, segments, reduce)
@@ -160,6 +219,13 @@ class LoRAWeights(nn.Module):
             shrunk = self.comm.all_reduce(shrunk)
         shrunk = shrunk.view(tokens, self.num_slots, -1) * mask[:, :, None]
         return out.addmm_(shrunk.view(tokens, -1), self.lora_b.T)
+
+    def kernel_delta_into(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``out`` plus every token's adapter contribution by the platform's kernel (which this layer has)."""
+        assert self.kernel is not None
+        self.kernel.lora_delta_into(x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1]), self.lora_a, self.lora_b_t,
+                                    slots, self.num_slots, self.kernel_slices)
+        return out
 
 
 @functools.cache
@@ -181,6 +247,10 @@ def layer_device_dtype(layer: Linear) -> tuple[torch.device, torch.dtype]:
 def _lora_hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     weights: LoRAWeights = module.lora  # type: ignore[assignment]
     batch = weights.batch
+    if batch.graph_step and weights.kernel is not None and batch.token_slots is not None:
+        # a step graph may be capturing this step: every layer records its call, whatever adapters
+        # this step has, so that the graph holds it for the steps it is replayed for
+        return weights.kernel_delta_into(args[0], output, batch.token_slots)
     if batch.token_mask is None or not batch.uses_any(weights.filled):
         return output  # no adapter in the step, or none of its adapters targets this layer
     return weights.delta_into(args[0], output, batch.token_mask, batch.token_slots, batch.segments)

@@ -81,7 +81,7 @@ class LoRAHeadWeights(LoRAWeights):
     vocabulary on every rank (the hook sees the gathered logits, not the rank's slice)."""
 
     def __init__(self, head: ParallelLMHead, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
-        super().__init__(head, num_slots, max_rank, batch)
+        super().__init__(head, num_slots, max_rank, batch, kernel=False)  # the torch path, on the rows named
         self.vocab_size = head.vocab_size
         self.rank_start = head.output_loader.rank * head.out_features  # this rank's first vocabulary row
         self.slices = [(0, head.vocab_size)]

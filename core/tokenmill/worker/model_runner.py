@@ -101,6 +101,8 @@ class ModelRunner:
         graph_batch = min(max_graph_batch_size, max_num_seqs)
         self.graphs = (DecodeGraphs(graph_capture, backend, graph_batch, self.batch.block_table.shape[1])
                        if graph_capture is not None and graph_batch > 0 else None)
+        if self.graphs is not None and lora is not None and not lora.enable_step_graphs(graph_batch):
+            self.graphs = None  # LoRA layers the graphs could not record
 
     # -- KV cache ----------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -226,7 +228,7 @@ class ModelRunner:
             if embeds is not None or inputs.positions.dim() > 1:
                 return cast(Any, self.model)(inputs.input_ids, inputs.positions, inputs.metadata,
                                              inputs_embeds=embeds), None
-        if self.graphs is not None:
+        if self.graphs is not None and (self.lora is None or self.lora.graph_safe):
             replayed = self.graphs.forward(self.model, inputs)
             if replayed is not None:
                 return replayed

@@ -225,9 +225,10 @@ def _spec_decode_runner(config: EngineConfig, plugins: PluginManager, platform: 
 def _graph_capture(config: EngineConfig, platform: Any, backend: Any, comm: Communicator,
                    stage: PipelineStage = SINGLE_STAGE) -> StepGraphCapture | None:
     """The platform, if decode steps may run through its step graphs. Not under tensor or
-    pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one. Not
-    with LoRA: its per-token slot mask changes with the batch's adapters."""
-    if (config.enforce_eager or config.enable_lora or comm.world_size > 1 or stage.size > 1
+    pipeline parallelism: a step graph records kernel calls, and a gloo collective is not one. With
+    LoRA where every wrapped layer has the platform's LoRA kernel (the runner asks the slots:
+    tokenmill.lora.model_slots.LoRAModelSlots.enable_step_graphs)."""
+    if (config.enforce_eager or comm.world_size > 1 or stage.size > 1
             or config.kv_transfer_config is not None  # a step graph would skip the connector's per-layer calls
             or not getattr(backend, "supports_step_graphs", False)):
         return None

@@ -107,6 +107,16 @@ class CpuLayerOps(NativeLayerOps):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
         return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, self.silu_and_mul)
 
+    # -- LoRA (tokenmill.lora.layers.LoRADeltaOps): the C++ kernel, which step graphs can record --
+    def lora_delta_supported(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32
+
+    def lora_delta_into(self, x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
+                        token_slots: torch.Tensor, num_slots: int, slices: list[int]) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return active_kernels(self._kernels).lora_delta_(x, out, lora_a, lora_b_t, token_slots, num_slots, slices)
+
 
 def _fused_add_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype in KERNEL_DTYPES and x.dtype == residual.dtype == weight.dtype and x.is_contiguous()

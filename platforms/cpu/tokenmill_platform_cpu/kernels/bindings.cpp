@@ -17,6 +17,8 @@ at::Tensor pack_linear_weight(at::Tensor weight);
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping);
+at::Tensor lora_delta_(at::Tensor x, at::Tensor out, at::Tensor lora_a, at::Tensor lora_b_t, at::Tensor token_slots,
+                       int64_t num_slots, std::vector<int64_t> slices);
 void bind_step_graph(pybind11::module& m);
 void bind_thread_pool(pybind11::module& m);
 
@@ -32,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "float32 weight [N, K] -> column panels for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32, decode batch sizes)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");
+  m.def("lora_delta_", &lora_delta_, "out[t] += B_s A_s x[t] by each token's adapter slot, in place (float32)");
   bind_step_graph(m);
   bind_thread_pool(m);
   m.def("temperature_sample", &temperature_sample, "Inverse-CDF draw from softmax(logits / t) per row (float32)");

@@ -40,6 +40,8 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key_cache, c
                          const at::Tensor& token_position, double scale, int64_t sliding_window, at::Tensor& out);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping);
+void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
+                    const at::Tensor& token_slots, int64_t num_slots, const std::vector<int64_t>& slices);
 
 class GraphPool {
  public:
@@ -116,6 +118,15 @@ class StepGraph {
   void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor slot_mapping) {
     record("write_kv_cache", [=]() { ::write_kv_cache(key, value, key_cache, value_cache, slot_mapping); });
+  }
+
+  // LoRA's delta added into a linear layer's output, in place (lora_delta.cpp); each replay
+  // reads the adapter slots the caller wrote into token_slots since.
+  at::Tensor lora_delta_(at::Tensor x, at::Tensor out, at::Tensor lora_a, at::Tensor lora_b_t, at::Tensor token_slots,
+                         int64_t num_slots, std::vector<int64_t> slices) {
+    return record("lora_delta_", [=]() mutable {
+      lora_delta_out(x, out, lora_a, lora_b_t, token_slots, num_slots, slices);
+    }, out);
   }
 
   // The token embedding lookup (torch's embedding op, which the capture lowers to this).
@@ -199,6 +210,7 @@ void bind_step_graph(pybind11::module& m) {
       .def("rotary_embedding_", &StepGraph::rotary_embedding_)
       .def("paged_attention", &StepGraph::paged_attention)
       .def("write_kv_cache", &StepGraph::write_kv_cache)
+      .def("lora_delta_", &StepGraph::lora_delta_)
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("linear", &StepGraph::linear)
