@@ -45,7 +45,7 @@ def random_blocks(n: int, k: int, qtype: GGMLQuantizationType) -> torch.Tensor:
     blocks = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
     halves = (rng.standard_normal((blocks.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
     if qtype == GGMLQuantizationType.Q6_K:
-        blocks[:, 208:210] = halves
+        blocks[:, 208:210] = halves[:, 0:2]
     else:
         blocks[:, 0:4] = halves
     return torch.from_numpy(blocks.reshape(n, -1))
