@@ -372,27 +372,36 @@ using SubBlocks = std::conditional_t<Type == Q6_K, SixBitSuperBlock,
                                      std::conditional_t<Type == Q4_K || Type == Q5_K, ScaleMinSuperBlock<Type>,
                                                         FiveBitBlock<Type>>>;
 
-// y[m, n] for rows m0 .. m0 + rows of x and one weight row: each sub-block decoded once per tile.
-template <int Type>
-void dot_tile_sub_blocks(const float* x, int64_t ldx, int64_t rows, const uint8_t* wrow, int64_t blocks, float* y,
-                         int64_t ldy) {
+// y[m, n .. n + Cols] for rows m0 .. m0 + rows of x and Cols consecutive weight rows (row_stride
+// bytes apart): each sub-block decoded once per tile, each load of x used by Cols weight rows.
+template <int Type, int Cols>
+void dot_tile_sub_blocks(const float* x, int64_t ldx, int64_t rows, const uint8_t* wrow, int64_t row_stride,
+                         int64_t blocks, float* y, int64_t ldy) {
   constexpr int values = block_values(Type), bytes = block_bytes(Type);
-  __m512 acc[kTileRows][2];
-  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[kTileRows][Cols];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const SubBlocks<Type> block(wrow + b * bytes);
+    const uint8_t* first = wrow + b * bytes;
+    const SubBlocks<Type> block0(first);
+    const SubBlocks<Type> block1(Cols > 1 ? first + row_stride : first);
     for (int j = 0; j < SubBlocks<Type>::kCount; ++j) {
-      __m512 w_lo, w_hi;
-      block.decode(j, w_lo, w_hi);
+      __m512 w_lo[Cols], w_hi[Cols];
+      block0.decode(j, w_lo[0], w_hi[0]);
+      if constexpr (Cols > 1) block1.decode(j, w_lo[1], w_hi[1]);
       const float* xb = x + b * values + j * kBlock;
       for (int r = 0; r < kTileRows; ++r) {
         if (r >= rows) break;
-        acc[r][0] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb + r * ldx), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + r * ldx + 16), acc[r][1]);
+        const __m512 x_lo = _mm512_loadu_ps(xb + r * ldx), x_hi = _mm512_loadu_ps(xb + r * ldx + 16);
+        for (int c = 0; c < Cols; ++c) {
+          acc[r][c] = _mm512_fmadd_ps(w_lo[c], x_lo, acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(w_hi[c], x_hi, acc[r][c]);
+        }
       }
     }
   }
-  for (int r = 0; r < rows; ++r) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 constexpr bool kSubBlocksVectorised = true;
 #else
@@ -417,6 +426,16 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
       const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
       for (int64_t n = begin; n < end; ++n) {
         const float* xt = x + m0 * K;
+#if defined(__AVX512F__)
+        if constexpr (!Portable && path_of<Type>() == Path::kSubBlocks) {
+          // Two weight rows at a time where two are left, so each load of x serves both.
+          if (n + 1 < end) {
+            dot_tile_sub_blocks<Type, 2>(xt, K, rows, w + n * row_stride, row_stride, blocks, y + m0 * N + n, N);
+            ++n;
+            continue;
+          }
+        }
+#endif
         const uint8_t* wrow = w + n * row_stride;
         float* yt = y + m0 * N + n;
         if constexpr (Portable || path_of<Type>() == Path::kPortable) {
@@ -425,7 +444,7 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
           dot_tile<Type>(xt, K, rows, wrow, blocks, yt, N);
         } else {
 #if defined(__AVX512F__)
-          dot_tile_sub_blocks<Type>(xt, K, rows, wrow, blocks, yt, N);
+          dot_tile_sub_blocks<Type, 1>(xt, K, rows, wrow, row_stride, blocks, yt, N);
 #endif
         }
       }
