@@ -360,9 +360,10 @@ struct SixBitSuperBlock {
                      _mm_sll_epi16(bit_field(_mm_loadu_si128((const __m128i*)(qh + 16)), 2 * i, 3), four));
     __m512 q_lo, q_hi;
     bytes_to_floats(first, second, q_lo, q_hi);
-    const __m512 thirty_two = _mm512_set1_ps(32.0f);
-    lo = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[0])), _mm512_sub_ps(q_lo, thirty_two));
-    hi = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[1])), _mm512_sub_ps(q_hi, thirty_two));
+    // s * q - 32 s in one FMA: 32 s is exact, so this rounds once, as s * (q - 32) does.
+    const float s0 = d * static_cast<float>(scales[0]), s1 = d * static_cast<float>(scales[1]);
+    lo = _mm512_fmsub_ps(_mm512_set1_ps(s0), q_lo, _mm512_set1_ps(32.0f * s0));
+    hi = _mm512_fmsub_ps(_mm512_set1_ps(s1), q_hi, _mm512_set1_ps(32.0f * s1));
   }
 };
 
