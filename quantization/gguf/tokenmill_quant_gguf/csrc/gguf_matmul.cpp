@@ -386,6 +386,7 @@ void dot_tile_sub_blocks(const float* x, int64_t ldx, int64_t rows, const uint8_
     const uint8_t* first = wrow + b * bytes;
     const SubBlocks<Type> block0(first);
     const SubBlocks<Type> block1(Cols > 1 ? first + row_stride : first);
+#pragma GCC unroll 8
     for (int j = 0; j < SubBlocks<Type>::kCount; ++j) {
       __m512 w_lo[Cols], w_hi[Cols];
       block0.decode(j, w_lo[0], w_hi[0]);
