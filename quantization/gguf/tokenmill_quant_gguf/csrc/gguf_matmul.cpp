@@ -16,7 +16,8 @@
 // kernel is built on (AVX-512 or AVX2; the build is keyed by the CPU's flags). The AVX-512
 // path of Q5_0 / Q5_1 and the K-quants instead decodes 32 values at a time (one sub-block)
 // into two float vectors, the 6-bit scales and mins of a super-block once per super-block,
-// and accumulates in float32 FMAs as Q4_0 does; kernel_path(type) says which path a type takes.
+// and accumulates in float32 FMAs as Q4_0 does, two weight rows at a time so that each load
+// of x feeds both; kernel_path(type) says which path a type takes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
