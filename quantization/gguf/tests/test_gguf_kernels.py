@@ -6,9 +6,15 @@ the real on-disk ones; the SmolLM2 file's Q4_1 and Q8_0 tensors are checked too.
 gguf package cannot quantize the K-quants (Q4_K, Q5_K, Q6_K), so their blocks are
 random bytes in the documented layout with finite float16 scales (every quant, 6-bit
 scale and min, high bit takes arbitrary values), and the blocks of ``k_quantizer``.
+On a CPU with AVX-512 every type runs the kernel's intrinsics path (the tests check that it
+does, so the comparisons exercise it); the portable loop, the fallback elsewhere, is checked
+against the same reference through ``gguf_matmul_portable``.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,6 +80,29 @@ def test_kernel_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int,
     expected = gguf_linear_reference(x, qweight, qtype, k)
     got = KERNEL.gguf_matmul(x, qweight, int(qtype), k)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 7, 64])
+@requires_kernel
+def test_the_portable_loop_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int) -> None:
+    k = features(qtype, 13)
+    qweight = packed(37, k, qtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    expected = gguf_linear_reference(x, qweight, qtype, k)
+    got = KERNEL.gguf_matmul_portable(x, qweight, int(qtype), k)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@requires_kernel
+def test_every_type_takes_the_avx512_path_on_a_cpu_that_has_it() -> None:
+    # The kernel is built with -march=native, so the build machine is this one.
+    flags = set(re.findall(r"\w+", Path("/proc/cpuinfo").read_text())) if Path("/proc/cpuinfo").exists() else set()
+    paths = {qtype.name: KERNEL.kernel_path(int(qtype)) for qtype in TYPES}
+    if "avx512f" not in flags:
+        assert "avx512" not in paths.values(), paths
+        pytest.skip("no AVX-512 here: the portable and generic loops run (and are tested above)")
+    assert set(paths.values()) == {"avx512"}, paths
 
 
 @requires_kernel

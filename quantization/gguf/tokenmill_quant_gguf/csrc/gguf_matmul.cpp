@@ -1,5 +1,6 @@
-// y[M, N] = x[M, K] @ W[N, K]^T with W in ggml's Q4_0 / Q4_1 / Q8_0 blocks (AVX-512 intrinsics),
-// or Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (portable loops), as the file stores them.
+// y[M, N] = x[M, K] @ W[N, K]^T with W in ggml's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+// Q6_K blocks as the file stores them: AVX-512 intrinsics where the build CPU has AVX-512,
+// else portable loops (which stay, for every type, as the reference the tests compare with).
 //
 // Each block of 32 weights is dequantised in registers right before the multiply-adds that
 // use it, so the weight is read once, in its 4.5 / 5 / 8.5 bits per value, and no float copy
@@ -12,7 +13,11 @@
 //   Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: see dequantize_values below (and kquants.py / blocks.py).
 // The portable path decodes one block into floats on the stack, then multiplies it by every
 // row of the tile; its loops are plain C++ that -march=native vectorises for the CPU the
-// kernel is built on (AVX-512 or AVX2; the build is keyed by the CPU's flags).
+// kernel is built on (AVX-512 or AVX2; the build is keyed by the CPU's flags). The AVX-512
+// path of Q5_0 / Q5_1 and the K-quants instead decodes 32 values at a time (one sub-block)
+// into two float vectors, the 6-bit scales and mins of a super-block once per super-block,
+// and accumulates in float32 FMAs as Q4_0 does, two weight rows at a time so that each load
+// of x feeds both; kernel_path(type) says which path a type takes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -20,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,7 +37,7 @@ constexpr int kBlock = 32;
 constexpr int kTileRows = 8;
 enum GGMLType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-int block_bytes(int type) {
+constexpr int block_bytes(int type) {
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -153,7 +159,25 @@ inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
 // The block_values(Type) weights of one block, into w.
 template <int Type>
 inline void dequantize_values(const uint8_t* block, float* w) {
-  if constexpr (Type == Q5_0 || Type == Q5_1) {
+  if constexpr (Type == Q4_0 || Type == Q4_1 || Type == Q8_0) {
+    const float d = half_at(block);
+    if constexpr (Type == Q8_0) {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+      for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(qs[j]);
+    } else {
+      const uint8_t* qs = block + (Type == Q4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (Type == Q4_1) {
+          const float m = half_at(block + 2);
+          w[j] = d * static_cast<float>(qs[j] & 15) + m;
+          w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+        } else {
+          w[j] = d * static_cast<float>((qs[j] & 15) - 8);
+          w[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+        }
+      }
+    }
+  } else if constexpr (Type == Q5_0 || Type == Q5_1) {
     // f16 d, [f16 m,] u32 qh, u8 qs[16]: w[j] = d * (nibble | fifth bit << 4) + m (m = -16 d for Q5_0)
     const float d = half_at(block);
     const float m = Type == Q5_1 ? half_at(block + 2) : -16.0f * d;
@@ -236,24 +260,203 @@ const char* kPortableIsa = "avx2 (compiler-vectorised)";
 const char* kPortableIsa = "generic C++";
 #endif
 
+#if defined(__AVX512F__)
+// ---- The AVX-512 path of Q5_0, Q5_1 and the K-quants -----------------------------------
+
+// Bytes 0..31 of a sub-block's quants (values 0..63) as two vectors of 16 floats.
+inline void bytes_to_floats(__m128i first, __m128i second, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
+}
+
+// Each byte's bits shift .. shift + width - 1 (16-bit lanes shift, the mask then drops what
+// crossed from the neighbouring byte).
+inline __m128i bit_field(__m128i bytes, int shift, int mask) {
+  return _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(static_cast<char>(mask)));
+}
+
+// One Q5_0 / Q5_1 block (32 values).
 template <int Type>
+struct FiveBitBlock {
+  static constexpr int kCount = 1;
+  const uint8_t* block;
+  explicit FiveBitBlock(const uint8_t* b) : block(b) {}
+  // d * q + m (Q5_1) or d * (q - 16) (Q5_0), q = nibble | qh bit j << 4.
+  void decode(int, __m512& lo, __m512& hi) const {
+    const __m512 d = _mm512_set1_ps(half_at(block));
+    const uint8_t* rest = block + (Type == Q5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, rest, 4);
+    const __m128i packed = _mm_loadu_si128((const __m128i*)(rest + 4));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i q_lo = _mm512_cvtepu8_epi32(bit_field(packed, 0, 15));
+    __m512i q_hi = _mm512_cvtepu8_epi32(bit_field(packed, 4, 15));
+    q_lo = _mm512_mask_or_epi32(q_lo, static_cast<__mmask16>(qh & 0xFFFF), q_lo, sixteen);
+    q_hi = _mm512_mask_or_epi32(q_hi, static_cast<__mmask16>(qh >> 16), q_hi, sixteen);
+    if constexpr (Type == Q5_1) {
+      const __m512 m = _mm512_set1_ps(half_at(block + 2));
+      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q_lo), m);
+      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q_hi), m);
+    } else {
+      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q_lo, sixteen)));
+      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q_hi, sixteen)));
+    }
+  }
+};
+
+// One Q4_K / Q5_K super-block (8 sub-blocks of 32 values).
+template <int Type>
+struct ScaleMinSuperBlock {
+  static constexpr int kCount = 8;
+  const uint8_t* qs;
+  const uint8_t* qh;
+  float scale[8], offset[8];  // d * sc_j and dmin * m_j, the 6-bit fields unpacked once
+  explicit ScaleMinSuperBlock(const uint8_t* block) : qs(block + (Type == Q5_K ? 48 : 16)), qh(block + 16) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, block + 4, sc, mn);
+      scale[j] = d * static_cast<float>(sc);
+      offset[j] = dmin * static_cast<float>(mn);
+    }
+  }
+  // Sub-block j: the low (even j) or high (odd j) nibbles of bytes 32 * (j / 2) .., plus bit j
+  // of qh[l] as the fifth bit (Q5_K); d * sc_j * q - dmin * m_j.
+  void decode(int j, __m512& lo, __m512& hi) const {
+    const uint8_t* chunk = qs + 32 * (j / 2);
+    __m128i first = bit_field(_mm_loadu_si128((const __m128i*)chunk), 4 * (j % 2), 15);
+    __m128i second = bit_field(_mm_loadu_si128((const __m128i*)(chunk + 16)), 4 * (j % 2), 15);
+    if constexpr (Type == Q5_K) {
+      const __m128i four = _mm_cvtsi32_si128(4);
+      first = _mm_or_si128(first, _mm_sll_epi16(bit_field(_mm_loadu_si128((const __m128i*)qh), j, 1), four));
+      second = _mm_or_si128(second, _mm_sll_epi16(bit_field(_mm_loadu_si128((const __m128i*)(qh + 16)), j, 1), four));
+    }
+    __m512 q_lo, q_hi;
+    bytes_to_floats(first, second, q_lo, q_hi);
+    const __m512 s = _mm512_set1_ps(scale[j]), m = _mm512_set1_ps(offset[j]);
+    lo = _mm512_fmsub_ps(s, q_lo, m);
+    hi = _mm512_fmsub_ps(s, q_hi, m);
+  }
+};
+
+// One Q6_K super-block (8 sub-blocks of 32 values).
+struct SixBitSuperBlock {
+  static constexpr int kCount = 8;
+  const uint8_t* block;
+  float d;
+  explicit SixBitSuperBlock(const uint8_t* b) : block(b), d(half_at(b + 208)) {}
+  // Sub-block j = 4 * half + i: low 4 bits from ql[64 * half + 32 * (i % 2) ..] (shifted by
+  // 4 * (i / 2)), high 2 bits from qh[32 * half ..] (shifted by 2 * i); d * scale * (q - 32),
+  // one int8 scale per 16 values.
+  void decode(int j, __m512& lo, __m512& hi) const {
+    const int half = j / 4, i = j % 4;
+    const uint8_t* ql = block + 64 * half + 32 * (i % 2);
+    const uint8_t* qh = block + 128 + 32 * half;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192) + 8 * half + 2 * i;
+    const __m128i four = _mm_cvtsi32_si128(4);
+    const __m128i first = _mm_or_si128(bit_field(_mm_loadu_si128((const __m128i*)ql), 4 * (i / 2), 15),
+                                       _mm_sll_epi16(bit_field(_mm_loadu_si128((const __m128i*)qh), 2 * i, 3), four));
+    const __m128i second =
+        _mm_or_si128(bit_field(_mm_loadu_si128((const __m128i*)(ql + 16)), 4 * (i / 2), 15),
+                     _mm_sll_epi16(bit_field(_mm_loadu_si128((const __m128i*)(qh + 16)), 2 * i, 3), four));
+    __m512 q_lo, q_hi;
+    bytes_to_floats(first, second, q_lo, q_hi);
+    // s * q - 32 s in one FMA: 32 s is exact, so this rounds once, as s * (q - 32) does.
+    const float s0 = d * static_cast<float>(scales[0]), s1 = d * static_cast<float>(scales[1]);
+    lo = _mm512_fmsub_ps(_mm512_set1_ps(s0), q_lo, _mm512_set1_ps(32.0f * s0));
+    hi = _mm512_fmsub_ps(_mm512_set1_ps(s1), q_hi, _mm512_set1_ps(32.0f * s1));
+  }
+};
+
+// The decoder of Type's blocks, 32 values at a time into (lo, hi).
+template <int Type>
+using SubBlocks = std::conditional_t<Type == Q6_K, SixBitSuperBlock,
+                                     std::conditional_t<Type == Q4_K || Type == Q5_K, ScaleMinSuperBlock<Type>,
+                                                        FiveBitBlock<Type>>>;
+
+// y[m, n .. n + Cols] for rows m0 .. m0 + rows of x and Cols consecutive weight rows (row_stride
+// bytes apart): each sub-block decoded once per tile, each load of x used by Cols weight rows.
+template <int Type, int Cols>
+void dot_tile_sub_blocks(const float* x, int64_t ldx, int64_t rows, const uint8_t* wrow, int64_t row_stride,
+                         int64_t blocks, float* y, int64_t ldy) {
+  constexpr int values = block_values(Type), bytes = block_bytes(Type);
+  __m512 acc[kTileRows][Cols];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* first = wrow + b * bytes;
+    const SubBlocks<Type> block0(first);
+    const SubBlocks<Type> block1(Cols > 1 ? first + row_stride : first);
+#pragma GCC unroll 8
+    for (int j = 0; j < SubBlocks<Type>::kCount; ++j) {
+      __m512 w_lo[Cols], w_hi[Cols];
+      block0.decode(j, w_lo[0], w_hi[0]);
+      if constexpr (Cols > 1) block1.decode(j, w_lo[1], w_hi[1]);
+      const float* xb = x + b * values + j * kBlock;
+      for (int r = 0; r < kTileRows; ++r) {
+        if (r >= rows) break;
+        const __m512 x_lo = _mm512_loadu_ps(xb + r * ldx), x_hi = _mm512_loadu_ps(xb + r * ldx + 16);
+        for (int c = 0; c < Cols; ++c) {
+          acc[r][c] = _mm512_fmadd_ps(w_lo[c], x_lo, acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(w_hi[c], x_hi, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+constexpr bool kSubBlocksVectorised = true;
+#else
+constexpr bool kSubBlocksVectorised = false;
+#endif
+
+// Which loop multiplies a row of Type: dot_tile (Q4_0 / Q4_1 / Q8_0, intrinsics or generic),
+// dot_tile_sub_blocks (AVX-512 builds) or dot_tile_portable.
+enum class Path { kLegacy, kSubBlocks, kPortable };
+
+template <int Type>
+constexpr Path path_of() {
+  if constexpr (Type == Q4_0 || Type == Q4_1 || Type == Q8_0) return Path::kLegacy;
+  return kSubBlocksVectorised ? Path::kSubBlocks : Path::kPortable;
+}
+
+template <int Type, bool Portable>
 void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_stride, float* y) {
   const int64_t blocks = K / block_values(Type);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
       for (int64_t n = begin; n < end; ++n) {
-        if constexpr (Type == Q4_0 || Type == Q4_1 || Type == Q8_0) {
-          dot_tile<Type>(x + m0 * K, K, rows, w + n * row_stride, blocks, y + m0 * N + n, N);
+        const float* xt = x + m0 * K;
+#if defined(__AVX512F__)
+        if constexpr (!Portable && path_of<Type>() == Path::kSubBlocks) {
+          // Two weight rows at a time where two are left, so each load of x serves both.
+          if (n + 1 < end) {
+            dot_tile_sub_blocks<Type, 2>(xt, K, rows, w + n * row_stride, row_stride, blocks, y + m0 * N + n, N);
+            ++n;
+            continue;
+          }
+        }
+#endif
+        const uint8_t* wrow = w + n * row_stride;
+        float* yt = y + m0 * N + n;
+        if constexpr (Portable || path_of<Type>() == Path::kPortable) {
+          dot_tile_portable<Type>(xt, K, rows, wrow, blocks, yt, N);
+        } else if constexpr (path_of<Type>() == Path::kLegacy) {
+          dot_tile<Type>(xt, K, rows, wrow, blocks, yt, N);
         } else {
-          dot_tile_portable<Type>(x + m0 * K, K, rows, w + n * row_stride, blocks, y + m0 * N + n, N);
+#if defined(__AVX512F__)
+          dot_tile_sub_blocks<Type, 1>(xt, K, rows, wrow, row_stride, blocks, yt, N);
+#endif
         }
       }
     }
   });
 }
 
-torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features) {
+template <bool Portable>
+torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "gguf_matmul: x must be a contiguous float32 [M, K]");
   TORCH_CHECK(x.size(1) == in_features, "gguf_matmul: x has ", x.size(1), " features, the weight ", in_features);
@@ -270,24 +473,39 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qweight, 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const int64_t stride = qweight.size(1);
   switch (type) {
-    case Q4_0: matmul<Q4_0>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q4_1: matmul<Q4_1>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q5_0: matmul<Q5_0>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q5_1: matmul<Q5_1>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q4_K: matmul<Q4_K>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q5_K: matmul<Q5_K>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    case Q6_K: matmul<Q6_K>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
-    default: matmul<Q8_0>(xp, M, in_features, wp, N, qweight.size(1), yp); break;
+    case Q4_0: matmul<Q4_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q4_1: matmul<Q4_1, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q5_0: matmul<Q5_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q5_1: matmul<Q5_1, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q4_K: matmul<Q4_K, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q5_K: matmul<Q5_K, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q6_K: matmul<Q6_K, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    default: matmul<Q8_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
   }
   return y;
 }
 
-std::string isa() { return std::string(kIsa) + " for Q4_0/Q4_1/Q8_0, " + kPortableIsa + " for Q5 and K-quants"; }
+// "avx512" (intrinsics), "generic C++" (Q4_0 / Q4_1 / Q8_0 without AVX-512) or "portable".
+std::string kernel_path(int64_t type) {
+  TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "kernel_path: ggml type ", type, " has no kernel");
+  const bool legacy = type == Q4_0 || type == Q4_1 || type == Q8_0;
+  if (legacy) return kIsa;
+  return kSubBlocksVectorised ? "avx512" : "portable";
+}
+
+std::string isa() {
+  if (kSubBlocksVectorised) return std::string(kIsa) + " for every type";
+  return std::string(kIsa) + " for Q4_0/Q4_1/Q8_0, " + kPortableIsa + " for Q5 and K-quants";
+}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &gguf_matmul, "x @ dequantize(qweight).T for GGUF block rows (float32)");
+  m.def("gguf_matmul", &gguf_matmul_on<false>, "x @ dequantize(qweight).T for GGUF block rows (float32)");
+  m.def("gguf_matmul_portable", &gguf_matmul_on<true>,
+        "gguf_matmul by the portable loop for every type (the reference and fallback; tests and benchmarks)");
+  m.def("kernel_path", &kernel_path, "which loop gguf_matmul runs for a ggml type");
   m.def("isa", &isa, "the instruction set the kernel was built for");
 }
