@@ -117,11 +117,12 @@ def test_a_request_whose_drafts_keep_missing_decodes_a_while_without_them():
         if "miss" not in out.scheduled_spec_decode_tokens:
             sampled["miss"] = [9]
         scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled, spec_token_ids=proposals))
-    # two verifications of 3 rejected drafts judge "miss" (6 >= 4 drafted, none accepted): it pauses
-    # for 3 output tokens (3 steps of one token), then carries drafts again; "hit" never pauses
-    assert [c.get("miss", 0) for c in carried] == [3, 3, 0, 0, 0, 3]
+    # one verification of 3 rejected drafts decides "miss" (even a 4th draft accepted would leave it
+    # below 0.5 of 4): it pauses for 3 output tokens (3 steps of one token), then carries drafts
+    # again, is rejected again and pauses (longer); "hit" never pauses
+    assert [c.get("miss", 0) for c in carried] == [3, 0, 0, 0, 3, 0]
     assert all(c["hit"] == 3 for c in carried)
-    assert scheduler.draft_backoff.num_pauses == 1
+    assert scheduler.draft_backoff.num_pauses == 2
 
 def _step(scheduler: Scheduler, hits: dict[str, bool], proposals: dict[str, list[int]]) -> SchedulerOutput:
     """One step: each request's drafts all accepted (True) or all rejected (False); the workers

@@ -4,7 +4,8 @@ rejecting is not drafted for a while, then tried again.
 Verifying a draft costs a token of the step's forward and a row of logits whether or not it
 is accepted, and drafting it costs the proposer's work (a draft model's steps); where drafts
 rarely hit (n-gram lookup on text that does not repeat, a draft model far from the target)
-they only cost. Each request is judged by its own last ``window`` draft tokens, because
+they only cost. Each request is judged by its own last ``window`` draft tokens (sooner when the verdict is
+already certain), because
 acceptance follows what a request writes (a request repeating a text beside one that does
 not): below ``min_acceptance_rate`` accepted (by default the break-even rate of
 ``spec_decode/cost.py``), it decodes its next ``pause`` tokens without drafts, and the
@@ -39,7 +40,10 @@ class DraftBackoff:
             return
         drafted = self._drafted.get(req_id, 0) + num_drafted
         accepted = self._accepted.get(req_id, 0) + num_accepted
-        if drafted < self.window:
+        # judged once the window is full, or sooner where accepting every draft left in it could
+        # no longer lift it to the rate (a draft model's higher rate: its probes end early)
+        decided = accepted + (self.window - drafted) < self.min_acceptance_rate * self.window
+        if drafted < self.window and not decided:
             self._drafted[req_id], self._accepted[req_id] = drafted, accepted
             return
         self._drafted.pop(req_id, None)
