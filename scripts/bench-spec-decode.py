@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Batch-1 greedy decode on the random 100M model, prompts that repeat a random 32-token text
-three times; output tok/s with and without n-gram speculation."""
+three times; output tok/s with and without speculation (argv[2]: a speculative_config as JSON)."""
 import json
 import sys
 import time
@@ -29,4 +29,5 @@ for p in prompts:
 s = llm.engine.core.make_stats()
 print(json.dumps({"spec": spec, "output_tok_s": tokens / seconds, "drafted": s.spec_decode_num_draft_tokens,
                   "accepted": s.spec_decode_num_accepted_tokens, "mean_accepted_length": s.spec_decode_mean_accepted_length,
+                  "paused_requests": s.spec_decode_num_paused_requests, "paused_steps": s.spec_decode_num_paused_steps,
                   "first_tokens": outs[0][:12]}))

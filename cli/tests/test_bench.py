@@ -442,3 +442,22 @@ def test_throughput_reports_the_pipeline_bubble_against_the_ideal(model_dir: Pat
     m = r["pipeline_micro_batches_per_fill"]
     assert m > 1  # six requests over two stages: micro-batches overlapped
     assert r["pipeline_ideal_bubble_fraction"] == pytest.approx(1 / (m + 1))
+
+
+def test_a_layer_skip_draft_of_a_damped_random_model(tmp_path: Path) -> None:
+    """Layers damped to nothing write nothing into the residual stream: the draft of the layers
+    before them computes exactly the target's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    invoke(["bench", "random-model", str(target), *SMALL, "--damp-layers-from", "1", "--damp-scale", "0"])
+    invoke(["bench", "random-model", str(draft), "--draft-of", str(target), "--num-hidden-layers", "1"])
+    big, small = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (target, draft))
+    assert (big.config.num_hidden_layers, small.config.num_hidden_layers) == (2, 1)
+    assert len(AutoTokenizer.from_pretrained(draft)) == VOCAB
+    ids = torch.tensor([[5, 9, 33, 7, 100]])
+    with torch.no_grad():
+        assert torch.equal(big(ids).logits, small(ids).logits)
+    result = runner.invoke(app, ["bench", "random-model", str(tmp_path / "x"), "--draft-of", str(target)])
+    assert result.exit_code == 2 and "--num-hidden-layers" in result.output

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler.output import ModelRunnerOutput
+from tokenmill.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
@@ -117,8 +117,55 @@ def test_a_request_whose_drafts_keep_missing_decodes_a_while_without_them():
         if "miss" not in out.scheduled_spec_decode_tokens:
             sampled["miss"] = [9]
         scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled, spec_token_ids=proposals))
-    # two verifications of 3 rejected drafts judge "miss" (6 >= 4 drafted, none accepted): it pauses
-    # for 3 output tokens (3 steps of one token), then carries drafts again; "hit" never pauses
-    assert [c.get("miss", 0) for c in carried] == [3, 3, 0, 0, 0, 3]
+    # one verification of 3 rejected drafts decides "miss" (even a 4th draft accepted would leave it
+    # below 0.5 of 4): it pauses for 3 output tokens (3 steps of one token), then carries drafts
+    # again, is rejected again and pauses (longer); "hit" never pauses
+    assert [c.get("miss", 0) for c in carried] == [3, 0, 0, 0, 3, 0]
     assert all(c["hit"] == 3 for c in carried)
-    assert scheduler.draft_backoff.num_pauses == 1
+    assert scheduler.draft_backoff.num_pauses == 2
+
+def _step(scheduler: Scheduler, hits: dict[str, bool], proposals: dict[str, list[int]]) -> SchedulerOutput:
+    """One step: each request's drafts all accepted (True) or all rejected (False); the workers
+    propose only for the requests the scheduler did not exclude."""
+    out = scheduler.schedule()
+    sampled = {rid: (out.scheduled_spec_decode_tokens.get(rid, []) if hit else []) + [8] for rid, hit in hits.items()}
+    asked = {rid: p for rid, p in proposals.items() if rid not in out.no_draft_req_ids}
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled, spec_token_ids=asked))
+    return out
+
+
+def test_a_paused_request_is_not_proposed_for_and_its_pauses_grow_until_a_probe_passes():
+    scheduler = _scheduler(spec_min_acceptance_rate=0.5, spec_acceptance_window=3, spec_backoff_tokens=2)
+    scheduler.add_request(_request("a", 8, max_tokens=60))
+    _prefill(scheduler, "a", [2, 3, 4])
+    asked = []  # per step: whether the workers propose for "a" after it
+    for step in range(12):
+        out = _step(scheduler, {"a": step >= 8}, {"a": [2, 3, 4]})  # rejected until step 8, accepted from then on
+        asked.append("a" not in out.no_draft_req_ids)
+    # step 0 rejects 3 drafts: paused for 2 tokens (no proposals after step 1; those after step 2
+    # come when the pause is over), probed at step 3 and rejected again: paused for twice as long
+    # (steps 4-6), probed at step 8 and accepted: the request keeps its drafts
+    assert asked == [True, False, True, True, False, False, False, True, True, True, True, True]
+    stats = scheduler.make_stats()
+    assert stats.spec_decode_num_paused_requests == 2
+    # the proposals of the two judging steps (0 and 3) are dropped, the others were never made
+    assert stats.spec_decode_num_paused_steps == asked.count(False) + 2
+    assert stats.spec_decode_num_accepted_tokens == 4 * 3
+
+
+def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size():
+    scheduler = _scheduler(spec_disable_by_batch_size=2)
+    for rid, max_tokens in (("a", 3), ("b", 30), ("c", 30)):
+        scheduler.add_request(_request(rid, 4, max_tokens=max_tokens))
+    proposals = {rid: [2, 3] for rid in "abc"}
+    out = _step(scheduler, dict.fromkeys("abc", False), proposals)  # the prefills: three running
+    assert out.no_draft_req_ids == {"a", "b", "c"}
+    carried = []
+    for _ in range(4):
+        out = _step(scheduler, dict.fromkeys(scheduler.requests, True), proposals)
+        carried.append({rid: len(d) for rid, d in out.scheduled_spec_decode_tokens.items()})
+    # "a" finishes with the second decode's token (its third): two run from the third step on, the
+    # workers propose after it, and the fourth carries drafts
+    assert carried == [{}, {}, {}, {"b": 2, "c": 2}]
+    assert out.no_draft_req_ids == set()
+    assert scheduler.make_stats().spec_decode_num_steps_drafting_off == 3  # the prefill and two decodes

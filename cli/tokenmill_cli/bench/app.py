@@ -56,7 +56,8 @@ def build_bench_app(config_cls: type[EngineConfig] = EngineConfig) -> typer.Type
     bench_app.command("embed", help="Embedding throughput (sentences/s) of a pooling model against "
                                      "sentence-transformers-style transformers pooling.")(
         engine_command(embed, config_cls, **spelling))
-    bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark.")(
+    bench_app.command("random-model", help="Write a random-weight Llama checkpoint (and tokenizer) to benchmark, "
+                                            "or (--draft-of) a layer-skip draft of one.")(
         random_model)
     return bench_app
 
@@ -320,18 +321,38 @@ def random_model(
     max_position_embeddings: Annotated[int | None, typer.Option(help="default: 2048")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random weights")] = 0,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    damp_layers_from: Annotated[int | None, typer.Option(
+        min=0, help="Benchmark device for speculative decoding: the layers from this one on get their output "
+                    "projections scaled by --damp-scale, so that a --draft-of draft of the first ones agrees with "
+                    "the model most of the time")] = None,
+    damp_scale: Annotated[float, typer.Option(min=0.0, help="With --damp-layers-from: the scale")] = 0.01,
+    draft_of: Annotated[Path | None, typer.Option(
+        help="Write a layer-skip draft of this checkpoint instead: its embedding, its first --num-hidden-layers "
+             "layers, its final norm and lm_head (and its tokenizer)")] = None,
 ) -> None:
     from dataclasses import asdict
 
     from tokenmill_cli.bench.random_model import resolve_sizes, write_random_model
 
+    if draft_of is not None:
+        _write_draft(output, draft_of, num_hidden_layers)
+        return
     sizes = _guarded(lambda: resolve_sizes(
         preset, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings))
-    params = _guarded(lambda: write_random_model(output, sizes, seed, dtype))
+    params = _guarded(lambda: write_random_model(output, sizes, seed, dtype, damp_layers_from, damp_scale))
     shape = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in asdict(sizes).items())
     typer.echo(f"wrote {output}: {params / 1e6:.1f}M parameters ({shape})")
+
+
+def _write_draft(output: Path, target: Path, num_layers: int | None) -> None:
+    from tokenmill_cli.bench.draft_pair import write_layer_skip_draft
+
+    if num_layers is None:
+        raise typer.BadParameter("a --draft-of draft needs --num-hidden-layers (how many of the target's layers)")
+    params = _guarded(lambda: write_layer_skip_draft(target, output, num_layers))
+    typer.echo(f"wrote {output}: the first {num_layers} layers of {target}, {params / 1e6:.1f}M parameters")
 
 
 def embed(

@@ -38,6 +38,11 @@ class EngineCounters:
     stage_busy_seconds: tuple[float, ...] = ()
     micro_batches: int = 0
     pipeline_fills: int = 0
+    # speculative decoding's off-switches: requests switched off for low acceptance, request steps
+    # without drafts because of it, engine steps without drafts past disable_by_batch_size
+    spec_paused_requests: int = 0
+    spec_paused_steps: int = 0
+    spec_steps_drafting_off: int = 0
 
     def since(self, before: EngineCounters) -> EngineCounters:
         return EngineCounters(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
@@ -48,7 +53,10 @@ class EngineCounters:
                               self.step_seconds - before.step_seconds, self.steps - before.steps,
                               tuple(a - b for a, b in zip(self.stage_busy_seconds, before.stage_busy_seconds,
                                                           strict=True)),
-                              self.micro_batches - before.micro_batches, self.pipeline_fills - before.pipeline_fills)
+                              self.micro_batches - before.micro_batches, self.pipeline_fills - before.pipeline_fills,
+                              spec_paused_requests=self.spec_paused_requests - before.spec_paused_requests,
+                              spec_paused_steps=self.spec_paused_steps - before.spec_paused_steps,
+                              spec_steps_drafting_off=self.spec_steps_drafting_off - before.spec_steps_drafting_off)
 
     def pipeline_json(self, duration: float) -> dict[str, Any]:
         """Under pipeline parallelism, over a run of ``duration`` seconds: the bubble (the share of
@@ -82,7 +90,10 @@ class EngineCounters:
         return {"spec_decode_num_draft_tokens": self.spec_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
                 "spec_decode_acceptance_rate": self.spec_accepted_tokens / max(1, self.spec_draft_tokens),
-                "spec_decode_mean_accepted_length": 1 + self.spec_accepted_tokens / max(1, self.spec_drafts)}
+                "spec_decode_mean_accepted_length": 1 + self.spec_accepted_tokens / max(1, self.spec_drafts),
+                "spec_decode_num_paused_requests": self.spec_paused_requests,
+                "spec_decode_num_paused_steps": self.spec_paused_steps,
+                "spec_decode_num_steps_drafting_off": self.spec_steps_drafting_off}
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenmill_cli.bench.draft_pair import damp_later_layers
+
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")  # ids 0..3: bos, eos, pad, unk
 # Character ranges the vocabulary is filled from, in order (inclusive bounds).
 _CHAR_RANGES = ((0x20, 0x7E), (0x0A, 0x0A), (0x09, 0x09), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0x3400, 0x4DBF),
@@ -55,14 +57,21 @@ def resolve_sizes(preset: str | None, **overrides: int | None) -> LlamaSizes:
     return LlamaSizes(**given)  # type: ignore[arg-type]
 
 
-def write_random_model(folder: Path, sizes: LlamaSizes, seed: int = 0, dtype: str = "float32") -> int:
-    """Save a random-weight ``LlamaForCausalLM`` and its tokenizer into ``folder``; returns the parameter count."""
+def write_random_model(folder: Path, sizes: LlamaSizes, seed: int = 0, dtype: str = "float32",
+                       damp_layers_from: int | None = None, damp_scale: float = 0.01) -> int:
+    """Save a random-weight ``LlamaForCausalLM`` and its tokenizer into ``folder``; returns the
+    parameter count. ``damp_layers_from``: the layers from this one on write little into the
+    residual stream (``draft_pair.damp_later_layers``), so that a layer-skip draft of the first
+    ones agrees with the model: a benchmark device for speculative decoding."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(**asdict(sizes), bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = LlamaForCausalLM(config)
+    if damp_layers_from is not None:
+        damp_later_layers(model, damp_layers_from, damp_scale)
+    model = model.to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     build_char_tokenizer(folder, sizes.vocab_size)

@@ -106,7 +106,10 @@ class TokenmillBackend:
         return EngineCounters(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
                               stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
                               stats.spec_decode_num_accepted_tokens, comm["comm_seconds"], int(comm["comm_calls"]),
-                              comm["step_seconds"], int(comm["steps"]), busy, micro_batches, fills)
+                              comm["step_seconds"], int(comm["steps"]), busy, micro_batches, fills,
+                              spec_paused_requests=stats.spec_decode_num_paused_requests,
+                              spec_paused_steps=stats.spec_decode_num_paused_steps,
+                              spec_steps_drafting_off=stats.spec_decode_num_steps_drafting_off)
 
 
 def _count_weights(worker: Any) -> WeightCounts:

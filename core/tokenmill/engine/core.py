@@ -34,6 +34,7 @@ from tokenmill.plugins.specs import ModelSpec
 from tokenmill.request import Request, RequestStatus
 from tokenmill.scheduler.output import EngineCoreOutputs
 from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.spec_decode.cost import break_even_acceptance_rate
 from tokenmill.spec_decode.proposer import check_speculative_config
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.worker.spec import WorkerSpec, loaded_plugin_names
@@ -100,7 +101,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             non_causal_prefill=self.runner.is_encoder,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-            **_draft_backoff_options(config.speculative_config),
+            **_draft_backoff_options(config.speculative_config, self.checkpoint.text_config),
             steps_in_flight=config.pipeline_parallel_size,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             encoder_cache_size=config.mm_encoder_cache_size,
@@ -257,9 +258,14 @@ def _max_model_len(config: EngineConfig, checkpoint: Checkpoint, spec: ModelSpec
     return config.max_model_len
 
 
-def _draft_backoff_options(speculative: Any) -> dict[str, Any]:
-    """The scheduler's off-switch for drafts that rarely hit, from ``speculative_config``."""
+def _draft_backoff_options(speculative: Any, target_config: Any) -> dict[str, Any]:
+    """The scheduler's off-switches for drafts that rarely hit and for batches too large to draft
+    for, from ``speculative_config`` (the acceptance rate, unless given, where drafting breaks even)."""
     if speculative is None:
         return {}
-    return dict(spec_min_acceptance_rate=speculative.min_acceptance_rate,
-                spec_acceptance_window=speculative.acceptance_window, spec_backoff_tokens=speculative.backoff_tokens)
+    rate = speculative.min_acceptance_rate
+    if rate is None:
+        rate = break_even_acceptance_rate(speculative, target_config)
+    return dict(spec_min_acceptance_rate=rate, spec_acceptance_window=speculative.acceptance_window,
+                spec_backoff_tokens=speculative.backoff_tokens,
+                spec_disable_by_batch_size=speculative.disable_by_batch_size or 0)

@@ -57,6 +57,12 @@ class PrometheusStatLogger:
         self.aborted = counter("num_aborted_requests", "Requests aborted (client, timeout or shutdown)")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        self.paused_requests = counter("spec_decode_num_paused_requests", "Requests switched off speculation for a "
+                                       "while because their drafts were rarely accepted")
+        self.paused_steps = counter("spec_decode_num_paused_steps", "Request steps without drafts because the "
+                                    "request was switched off")
+        self.drafting_off_steps = counter("spec_decode_num_steps_drafting_off", "Engine steps without drafts "
+                                          "because more requests ran than disable_by_batch_size")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens", _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
@@ -81,7 +87,8 @@ class PrometheusStatLogger:
             self.finished.labels(self.model, reason)
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                        self.preemptions, self.prompt_tokens, self.generation_tokens, self.aborted,
-                       self.draft_tokens, self.accepted_tokens, self.ttft, self.itl, self.e2e, self.queue,
+                       self.draft_tokens, self.accepted_tokens, self.paused_requests, self.paused_steps,
+                       self.drafting_off_steps, self.ttft, self.itl, self.e2e, self.queue,
                        self.prefill, self.decode, self.prompt_len, self.gen_len, self.step_tokens,
                        self.waiting_for_lora, self.lora_in_slots, self.lora_in_host, self.lora_load,
                        self.encoder_queries, self.encoder_hits, self.external_hits, self.waiting_for_kv,
@@ -110,6 +117,10 @@ class PrometheusStatLogger:
                       scheduler.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
         self._advance(self.accepted_tokens,
                       scheduler.spec_decode_num_accepted_tokens - self._last.spec_decode_num_accepted_tokens)
+        for metric, field in ((self.paused_requests, "spec_decode_num_paused_requests"),
+                              (self.paused_steps, "spec_decode_num_paused_steps"),
+                              (self.drafting_off_steps, "spec_decode_num_steps_drafting_off")):
+            self._advance(metric, getattr(scheduler, field) - getattr(self._last, field))
         if scheduler.lora_adapters_in_host or self._lora_names:
             self._record_lora(scheduler)
         self._last = scheduler

@@ -39,6 +39,11 @@ class SchedulerSnapshot:
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted, since start
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... since start
+    # the off-switch, since start: requests switched off for low acceptance (once per low judgement),
+    # request steps without drafts because of it, steps without drafts because of disable_by_batch_size
+    spec_decode_num_paused_requests: int = 0
+    spec_decode_num_paused_steps: int = 0
+    spec_decode_num_steps_drafting_off: int = 0
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:

@@ -81,6 +81,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request's step verifies. They are the last
     # ``len(drafts)`` of its ``num_scheduled_tokens``, placed after its last sampled token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ... and the requests the workers propose no drafts for after this step: the scheduler would drop
+    # them (a request paused by the off-switch, every request of a batch past disable_by_batch_size).
+    no_draft_req_ids: set[str] = field(default_factory=set)
     # LoRA adapters (``LoRAAdapter``) to copy into device slots before this step runs, by slot.
     lora_loads: dict[int, Any] = field(default_factory=dict)
     # KV connector: what its worker side loads and saves this step (its scheduler side built it).

@@ -81,6 +81,8 @@ class SchedulerConfig:
     spec_min_acceptance_rate: float = 0.0
     spec_acceptance_window: int = 32
     spec_backoff_tokens: int = 32
+    # No drafts while more requests than this run (0: never): speculative_config.disable_by_batch_size.
+    spec_disable_by_batch_size: int = 0
     # Steps the engine core schedules before the first one's output is applied: one per pipeline
     # stage under pipeline parallelism (its micro-batches), else 1.
     steps_in_flight: int = 1
@@ -132,6 +134,7 @@ class Scheduler:
         self.spec_decode = SpecDecodeCounters()
         self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
                                           config.spec_backoff_tokens)
+        self.num_steps_drafting_off = 0  # steps with no drafts because of disable_by_batch_size, since start
         self.kv_connector = kv_connector
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self._kv_loading: dict[str, int] = {}  # request -> its computed tokens once its load completes
@@ -258,6 +261,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             scheduled_spec_decode_tokens=plan.drafts,
+            no_draft_req_ids=self._no_draft_requests(plan),
             lora_loads=self.lora.slots.take_loads() if self.lora is not None else {},
             scheduled_encoder_inputs=encoder_inputs,
             free_encoder_hashes=freed_encoder_hashes,
@@ -277,6 +281,24 @@ class Scheduler:
         if depth == 1:
             return 0
         return max(1, -(-(len(self.running) + len(self.waiting)) // depth))
+
+    def _drafting_is_off(self) -> bool:
+        """``disable_by_batch_size``: more requests run than drafting pays for."""
+        limit = self.config.spec_disable_by_batch_size
+        return limit > 0 and len(self.running) > limit
+
+    def _no_draft_requests(self, plan: _StepPlan) -> set[str]:
+        """The step's requests whose drafts this step's proposals would be dropped (a large batch,
+        or the request paused by the off-switch once this step's token is in): the workers do not
+        propose for them, which saves the proposer's work (a draft model's steps)."""
+        if not self.config.num_speculative_tokens or not plan.tokens:
+            return set()
+        if self._drafting_is_off():
+            self.num_steps_drafting_off += 1
+            return set(plan.tokens)
+        backoff = self.draft_backoff
+        return {req_id for req_id in plan.tokens
+                if backoff.is_paused(req_id, self.requests[req_id].num_output_tokens + 1)}
 
     def _admit_compiled_grammars(self) -> None:
         """Move requests whose grammar is compiled to the waiting queue (a failed compile ends the request)."""
@@ -573,7 +595,8 @@ class Scheduler:
                 if drafts and sampled:  # the rejected drafts' slots go back to the pool now
                     self.kv.free_excess(request, request.num_tokens)
                 proposed = (runner_output.spec_token_ids.get(req_id, [])
-                            if self.draft_backoff.allows(req_id, request.num_output_tokens) else [])
+                            if self.draft_backoff.allows(req_id, request.num_output_tokens)
+                            and not self._drafting_is_off() else [])
                 request.spec_token_ids = usable_drafts(
                     request, proposed[: self.config.num_speculative_tokens], self.config.max_model_len)
         return outputs
@@ -626,6 +649,9 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
+            spec_decode_num_paused_requests=self.draft_backoff.num_pauses,
+            spec_decode_num_paused_steps=self.draft_backoff.num_paused_steps,
+            spec_decode_num_steps_drafting_off=self.num_steps_drafting_off,
             num_waiting_for_lora=len(self.waiting_for_lora),
             encoder_cache_queries=self.encoder_cache_queries,
             encoder_cache_hits=self.encoder_cache_hits,

@@ -20,11 +20,16 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(ge=1, description="Draft tokens proposed per request and step (k)")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix matched")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix matched")
-    min_acceptance_rate: float = Field(
-        0.1, ge=0, le=1, description="A request whose last acceptance_window drafts were accepted less often than "
-        "this decodes its next backoff_tokens tokens without drafts (0: never)")
+    min_acceptance_rate: float | None = Field(
+        None, ge=0, le=1, description="A request whose last acceptance_window drafts were accepted less often than "
+        "this is not drafted for during its next backoff_tokens tokens (0: never; default: the rate where drafting "
+        "breaks even, estimated from the proposer's cost: spec_decode/cost.py)")
     acceptance_window: int = Field(32, ge=1, description="Draft tokens a request's acceptance is judged over")
-    backoff_tokens: int = Field(32, ge=1, description="Tokens decoded without drafts after a low acceptance")
+    backoff_tokens: int = Field(32, ge=1, description="Tokens decoded without drafts after a low acceptance; "
+                                "doubled after each further low judgement in a row, up to 16 times")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="No drafts while more requests than this run (a large batch is compute-bound: "
+        "verifying drafts costs it nearly their full price; default: never)")
 
     @model_validator(mode="after")
     def _infer_method(self) -> SpeculativeConfig:

@@ -164,7 +164,8 @@ class ModelRunner:
         if self.multimodal is not None:
             self.multimodal.begin_step(scheduler_output.scheduled_encoder_inputs, scheduler_output.free_encoder_hashes)
         if self.spec_decode is not None:
-            self.spec_decode.place_drafts(self.batch, scheduler_output.scheduled_spec_decode_tokens)
+            self.spec_decode.place_drafts(self.batch, scheduler_output.scheduled_spec_decode_tokens,
+                                          scheduler_output.no_draft_req_ids)
         self._forward_result = None
         if self.kv_connector is not None:  # loads start even in a step that runs no forward
             self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)

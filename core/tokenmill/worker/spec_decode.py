@@ -28,13 +28,16 @@ class SpecDecodeRunner:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.drafts: dict[str, list[int]] = {}  # this step's, by request
+        self.no_drafts: set[str] = set()  # this step's requests not to propose for (the scheduler would drop them)
         # the distributions sampled drafts were drawn from, by request: (drafts, q [k, V])
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
-    def place_drafts(self, batch: InputBatch, drafts: dict[str, list[int]]) -> None:
+    def place_drafts(self, batch: InputBatch, drafts: dict[str, list[int]], no_drafts: set[str] | None = None) -> None:
         """Write each request's drafts after its last token, where the step's inputs read them
-        (``num_tokens`` unchanged: they are not the request's until accepted)."""
+        (``num_tokens`` unchanged: they are not the request's until accepted); ``no_drafts``: the
+        requests not to propose for after this step."""
         self.drafts = drafts
+        self.no_drafts = no_drafts or set()
         for req_id, tokens in drafts.items():
             row = batch.index_of[req_id]
             start = int(batch.num_tokens[row])
@@ -102,6 +105,9 @@ class SpecDecodeRunner:
             self.proposer.observe(self._held_hidden_states(batch, inputs, hidden, output))  # type: ignore[attr-defined]
         requests = []
         for req_id in output.sampled:
+            if req_id in self.no_drafts:  # paused by the off-switch, or a batch too large to draft for
+                self.draft_probs.pop(req_id, None)
+                continue
             row = batch.index_of.get(req_id)
             if row is None:
                 continue
