@@ -1,10 +1,17 @@
-"""INT8 W8A8: symmetric quantization and the int8 matmul, ``torch._int_mm`` and its reference.
+"""INT8 W8A8: symmetric quantization and the int8 matmul, ``torch._int_mm`` and its reference,
+and the CPU's fused kernel.
 
 Activations are quantized per token (``scale = max|x_row| / 127``), weights per
 output channel; ``x @ W.T`` is then ``(xq @ wq.T) * x_scale * w_scale``, the integer
 product accumulated exactly in int32 by ``torch._int_mm``. The torch reference
 computes the same integer product in float64 (exact: every partial sum is an
 integer far below 2**53), so the two agree to the last bit before scaling.
+
+On a CPU with AVX-512 VNNI, :func:`w8a8_linear_cpu` runs the whole dynamic
+symmetric layer (quantize the rows, the int8 product, the scaling) in one C++ call
+(``csrc/w8a8_linear.cpp``), the same operations in the same order, so its output is
+:func:`w8a8_linear_torch`'s bit for bit; it reads the int8 weight as the layer holds
+it, with ``128 * rowsum(W)`` taken out for its unsigned-by-signed products.
 """
 
 from __future__ import annotations
@@ -91,6 +98,41 @@ def int8_matmul(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return int8_matmul_reference(xq, weight)
 
 
+def chosen_path(device: torch.device, path: str) -> None:
+    """Log, once per device and path, what runs the int8 W8A8 linear layers."""
+    _chosen(device, path)
+
+
 @functools.cache
 def _chosen(device: torch.device, path: str) -> None:
     logger.info("int8 W8A8 linear layers on %s: %s", device, path)
+
+
+def w8a8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """The dynamic symmetric W8A8 layer of a 2-d ``x`` in torch ops (what the fused kernel computes)."""
+    xq, x_scale = quantize_per_token(x)
+    return scale_output(int8_matmul(xq, weight), x_scale, weight_scale, bias, x.dtype)
+
+
+def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_row_sum: torch.Tensor,
+                    bias: torch.Tensor | None, product: str = "auto") -> torch.Tensor:
+    """:func:`w8a8_linear_torch` in one call of the CPU kernel (where :func:`cpu_kernel_runs`);
+    ``weight_row_sum``: ``weight.sum(dim=1)`` in int32, kept with the layer. ``product``: how the
+    kernel multiplies, ``"tiles"`` (its own VNNI loops over the weight as stored: few rows),
+    ``"int_mm"`` (``torch._int_mm``, then its own scaling pass: many rows) or ``"auto"``
+    (tiles below 16 rows); all give the same bits."""
+    if not cpu_kernel_runs():  # (cached) loading the kernel registers its op
+        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
+    return torch.ops.tokenmill_int8.w8a8_linear(x.contiguous(), weight, weight_scale, weight_row_sum,
+                                                None if bias is None else bias.float().contiguous(), product)
+
+
+@functools.cache
+def cpu_kernel_runs() -> bool:
+    """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI). Loading it registers
+    its op, ``torch.ops.tokenmill_int8.w8a8_linear`` (in C++: a call through torch's dispatcher,
+    which torch function modes see, the CPU platform's step-graph capture among them)."""
+    from tokenmill_quant_int8.cpu_kernel import load_w8a8_kernel
+
+    return load_w8a8_kernel() is not None

@@ -11,6 +11,10 @@ A static activation scheme (:mod:`tokenmill_quant_int8.activations`) adds
 layer loads one per shard and, its shards sharing one input, multiplies with one
 (:func:`~tokenmill_quant_int8.activations.merge_static_shards`). An asymmetric scheme
 keeps the int8 weight's row sums (``weight_row_sum``) for the zero-point correction.
+
+The default scheme (dynamic per-token, symmetric) runs on a CPU with AVX-512 VNNI as
+one call of the plugin's C++ kernel (:func:`~tokenmill_quant_int8.kernels.w8a8_linear_cpu`,
+which needs the row sums too), elsewhere as torch ops; the two give the same bits.
 """
 
 from __future__ import annotations
@@ -23,9 +27,17 @@ from torch import nn
 
 from tokenmill.layers import Linear, OutputShardLoader, add_float_weight, quantize_loaded_weight
 from tokenmill_quant_int8.activations import ActivationScheme, merge_static_shards, quantize_input
-from tokenmill_quant_int8.kernels import int8_matmul, quantize_weight_per_channel, scale_output
+from tokenmill_quant_int8.kernels import (
+    chosen_path,
+    cpu_kernel_runs,
+    int8_matmul,
+    quantize_weight_per_channel,
+    scale_output,
+    w8a8_linear_cpu,
+)
 
 STATIC_INPUTS = ("input_scale", "input_zero_point")
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations the CPU kernel reads
 
 
 class Int8W8A8LinearMethod:
@@ -34,6 +46,7 @@ class Int8W8A8LinearMethod:
 
     def __init__(self, activations: ActivationScheme | None = None) -> None:
         self.activations = activations or ActivationScheme()
+        self.fused_cpu = False  # the CPU kernel takes the layer: chosen once the weights are loaded
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -65,12 +78,19 @@ class Int8W8A8LinearMethod:
             scale, zero = merge_static_shards(loaded["input_scale"], loaded.get("input_zero_point"))
             linear.register_buffer("input_scale", scale)
             linear.register_buffer("input_zero_point", None if zero is None else zero.to(torch.int32))
-        if not self.activations.symmetric:
-            weight = cast(torch.Tensor, linear.weight)
+        weight = cast(torch.Tensor, linear.weight)
+        self.fused_cpu = self.activations == ActivationScheme() and weight.device.type == "cpu" and cpu_kernel_runs()
+        if self.fused_cpu:
+            chosen_path(weight.device, "the AVX-512 VNNI kernel (per-token quantization, product and scaling in one call)")
+        if not self.activations.symmetric or self.fused_cpu:
             linear.register_buffer("weight_row_sum", weight.sum(dim=1, dtype=torch.int32), persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
+        if self.fused_cpu and x.device.type == "cpu" and x.dtype in FUSED_DTYPES:
+            out = w8a8_linear_cpu(x.reshape(-1, x.shape[-1]), weight, cast(torch.Tensor, layer.weight_scale),
+                                  cast(torch.Tensor, layer.weight_row_sum), cast(torch.Tensor | None, layer.bias))
+            return out.reshape(*x.shape[:-1], weight.shape[0])
         static = self.activations.static
         xq = quantize_input(x.reshape(-1, x.shape[-1]), self.activations,
                             cast(torch.Tensor, layer.input_scale) if static else None,

@@ -1,0 +1,98 @@
+"""The fused AVX-512 VNNI kernel (csrc/w8a8_linear.cpp) against the torch path it replaces.
+
+The kernel does the torch path's operations in the same order (per-token scale, true
+division, round half to even, the exact int32 product, two float32 products, the bias), so
+the test asks for the same bits, not a tolerance: with both of its products (its own VNNI
+tiles, and torch._int_mm between its quantizing and scaling passes), on odd shapes (M = 1,
+7, 64; K not a multiple of the tiles' 64-byte step nor of 16; N not a multiple of their
+4 rows nor of the scaling pass's 16 lanes), in each activation dtype, with and without a
+bias, and with weights using all of int8 (-128 too, which a checkpoint may hold). A CPU
+without VNNI skips it (the torch path then runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.layers.build_context import ModelBuildContext
+from tokenmill.layers.linear import Linear, load_weight, process_weights_after_loading
+from tokenmill_quant_int8.config import Int8W8A8Config
+from tokenmill_quant_int8.kernels import cpu_kernel_runs, w8a8_linear_cpu, w8a8_linear_torch
+
+
+def _has_vnni() -> bool:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_vnni" in text and "avx512bw" in text and "avx512vl" in text
+
+
+pytestmark = pytest.mark.skipif(not _has_vnni(), reason="no AVX-512 VNNI on this CPU")
+SHAPES = [(m, k, n) for m in (1, 7, 64) for k, n in ((50, 33), (64, 96), (200, 17), (1000, 6))]
+
+
+def test_an_unknown_product_is_refused_by_name() -> None:
+    weight = torch.ones(4, 8, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="product must be 'auto', 'tiles' or 'int_mm', not 'fast'"):
+        w8a8_linear_cpu(torch.ones(1, 8), weight, torch.ones(4), weight.sum(dim=1, dtype=torch.int32), None, "fast")
+
+
+def test_the_kernel_is_built_where_the_cpu_has_vnni() -> None:
+    assert cpu_kernel_runs()
+
+
+@pytest.mark.parametrize("product", ["tiles", "int_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_the_kernel_gives_the_torch_paths_bits(m: int, k: int, n: int, dtype: torch.dtype, product: str) -> None:
+    generator = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = (torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 8).to(dtype)
+    weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = torch.rand(n, generator=generator) / 100
+    row_sum = weight.sum(dim=1, dtype=torch.int32)
+    for bias in (None, torch.randn(n, generator=generator).to(dtype)):
+        ours = w8a8_linear_cpu(x, weight, scale, row_sum, bias, product)
+        expected = w8a8_linear_torch(x, weight, scale, bias)
+        assert ours.dtype == dtype and ours.shape == (m, n)
+        assert torch.equal(ours, expected), (ours - expected).abs().max()
+
+
+@pytest.mark.parametrize("product", ["tiles", "int_mm"])
+def test_zero_rows_and_saturated_products_are_exact(product: str) -> None:
+    """An all-zero row (the smallest scale), and rows whose quantized values all sit at +-127
+    against weights of +-127 and -128 (the tiles' largest products: K * 255 * 128 before the offset)."""
+    k, n = 4099, 9
+    x = torch.zeros(3, k)
+    x[1], x[2, ::2], x[2, 1::2] = 3.0, -5.0, 5.0
+    weight = torch.full((n, k), 127, dtype=torch.int8)
+    weight[::2] = -128
+    scale = torch.full((n,), 0.5)
+    row_sum = weight.sum(dim=1, dtype=torch.int32)
+    ours = w8a8_linear_cpu(x, weight, scale, row_sum, None, product)
+    assert torch.equal(ours, w8a8_linear_torch(x, weight, scale, None))
+    assert not ours[0].any()
+    exact = 127 * row_sum.double() * (3.0 / 127) * 0.5  # row 1: every value quantized to 127 at a step of 3 / 127
+    torch.testing.assert_close(ours[1].double(), exact, rtol=1e-6, atol=0)
+
+
+def test_a_quantized_linear_layer_runs_the_kernel_with_the_torch_paths_output() -> None:
+    """The layer the checkpoint loader builds (merged q/k/v-like shards, a bias) takes the kernel
+    and gives what the torch path gives on its loaded tensors."""
+    generator = torch.Generator().manual_seed(5)
+    sizes, k = [64, 32, 32], 96
+    ctx = ModelBuildContext(hf_config=None, quant_config=Int8W8A8Config(serialized=False), prefix="model.layers.0.qkv",
+                            params_dtype=torch.bfloat16)
+    layer = Linear(k, sum(sizes), bias=True, ctx=ctx, output_partition_sizes=sizes)
+    params = dict(layer.named_parameters())
+    for shard, size in enumerate(sizes):
+        load_weight(params["weight"], torch.randn(size, k, generator=generator).bfloat16(), shard)
+    load_weight(params["bias"], torch.randn(sum(sizes), generator=generator).bfloat16())
+    process_weights_after_loading(layer)
+    assert layer.quant_method.fused_cpu  # type: ignore[union-attr]
+    weight, scale = layer.weight, layer.weight_scale
+    for rows in (3, 40):  # below and above the rows where "auto" changes products
+        x = torch.randn(rows, 2, k, generator=generator).bfloat16()
+        expected = w8a8_linear_torch(x.reshape(2 * rows, k), weight, scale, layer.bias).reshape(rows, 2, sum(sizes))
+        assert torch.equal(layer(x), expected)
+    assert weight.dtype == torch.int8 and weight.shape == (sum(sizes), k)  # read as loaded, not repacked

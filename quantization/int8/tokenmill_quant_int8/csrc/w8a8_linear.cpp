@@ -1,0 +1,267 @@
+// The INT8 W8A8 linear layer in one call on a CPU with AVX-512 VNNI:
+//   y[M, N] = (((x_q @ W^T) as float) * x_scale[m]) * w_scale[n] (+ bias[n]), in x's dtype,
+// where x_q = clamp(round(x / x_scale), -127, 127) and x_scale = max(max|x[m, :]|, 1e-12) / 127
+// (dynamic per-token symmetric quantisation). Every step is the torch path's own operation in
+// the same order (kernels.py: quantize_per_token, int8_matmul, scale_output): true division,
+// round half to even, the exact int32 product, float32 products without fused multiply-adds
+// (the build passes -ffp-contract=off), round to nearest even into bfloat16 / float16. So the
+// output is the torch path's to the last bit; what changes is that x is read once to quantise
+// it and the int32 product once to scale it, instead of once per torch op.
+//
+// The int8 product has two forms, both exact:
+// - "tiles" (few rows: decode): the weight is read in place, row-major int8 [N, K], in tiles of
+//   4 input rows by 4 weight rows, 16 accumulators of 16 lanes along K (64 bytes a step, the
+//   tail masked), reduced together and scaled in registers. vpdpbusd multiplies unsigned by
+//   signed bytes, so each quantised value is read shifted by +128 (xor 0x80) and 128 * rowsum(W)
+//   taken back out: the sums wrap modulo 2^32 and the true result fits in int32, so the
+//   difference is exact.
+// - "int_mm" (many rows: prefill, large batches): torch._int_mm (oneDNN's int8 GEMM, blocked
+//   for the cache) into an int32 [M, N], then one pass that scales it.
+// "auto" takes tiles below kIntMmRows rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define TOKENMILL_INT8_VNNI 1
+#endif
+
+namespace {
+
+#if defined(TOKENMILL_INT8_VNNI)
+
+constexpr int kTile = 4;             // input rows and weight rows of one register tile
+constexpr int64_t kRowChunk = 64;    // input rows a thread walks per weight tile
+constexpr int64_t kIntMmRows = 16;   // from here on, "auto" multiplies through torch._int_mm
+constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
+constexpr float kInt8Max = 127.0f;
+
+inline __mmask16 lanes16(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// Up to 16 values as float32 (lanes past the mask read as 0).
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
+
+// 16 float32 into the output type, rounding to nearest even (c10's conversions, NaN kept a NaN).
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+}
+inline void store16(c10::Half* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// One row of x: its scale, and its values quantised into out[0 .. K).
+template <typename In>
+float quantize_row(const In* x, int64_t K, int8_t* out) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(x + k, lanes16(K - k))));
+  const float scale = std::max(_mm512_reduce_max_ps(amax), kMinScale) / kInt8Max;
+  const __m512 divisor = _mm512_set1_ps(scale);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = lanes16(K - k);
+    // the default rounding mode rounds half to even, as torch.round
+    const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(x + k, mask), divisor));
+    _mm_mask_storeu_epi8(out + k, mask, _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(q, low), high)));
+  }
+  return scale;
+}
+
+struct Operands {
+  const int8_t* xq;          // [M, K]
+  const float* x_scale;      // [M]
+  const int8_t* w;           // [N, K]
+  const float* w_scale;      // [N]
+  const int32_t* w_row_sum;  // [N]
+  const float* bias;         // [N] or nullptr
+  int64_t M, K, N;
+};
+
+// The 16 lanes of each of a, b, c, d summed: [sum a, sum b, sum c, sum d].
+inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// y[m0 .. m0 + Rows, n0 .. n0 + cols) for cols <= 4 weight rows (missing ones read as zeros).
+template <int Rows, typename Out>
+void tile(const Operands& op, int64_t m0, int64_t n0, int cols, Out* y) {
+  __m512i acc[Rows][kTile];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_setzero_si512();
+  const int8_t* w[kTile];
+  for (int c = 0; c < kTile; ++c) w[c] = op.w + (n0 + std::min(c, cols - 1)) * op.K;
+  const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));  // x_q + 128, as unsigned bytes
+  for (int64_t k = 0; k < op.K; k += 64) {
+    const __mmask64 mask = op.K - k >= 64 ? ~0ULL : (1ULL << (op.K - k)) - 1;
+    __m512i wv[kTile];
+    for (int c = 0; c < kTile; ++c) wv[c] = c < cols ? _mm512_maskz_loadu_epi8(mask, w[c] + k) : _mm512_setzero_si512();
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i xv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, op.xq + (m0 + r) * op.K + k), shift);
+      for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
+    }
+  }
+  const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
+  const __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(valid, op.w_row_sum + n0), 7);  // 128 * rowsum
+  const __m128 w_scale = _mm_maskz_loadu_ps(valid, op.w_scale + n0);
+  const __m128 bias = op.bias != nullptr ? _mm_maskz_loadu_ps(valid, op.bias + n0) : _mm_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    const __m128i sums = _mm_sub_epi32(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), offset);
+    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(op.x_scale[m0 + r]));
+    v = _mm_mul_ps(v, w_scale);
+    if (op.bias != nullptr) v = _mm_add_ps(v, bias);
+    store16(y + (m0 + r) * op.N + n0, _mm512_castps128_ps512(v), static_cast<__mmask16>(valid));
+  }
+}
+
+template <typename Out>
+void product_by_tiles(const Operands& op, Out* y) {
+  const int64_t tiles = (op.N + kTile - 1) / kTile;
+  // the weight rows split over the threads; each walks its rows once per chunk of input rows
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / std::max<int64_t>(op.K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < op.M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(op.M, m0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kTile;
+        const int cols = static_cast<int>(std::min<int64_t>(kTile, op.N - n0));
+        for (int64_t m = m0; m < m1; m += kTile) {
+          switch (std::min<int64_t>(kTile, m1 - m)) {
+            case 1: tile<1>(op, m, n0, cols, y); break;
+            case 2: tile<2>(op, m, n0, cols, y); break;
+            case 3: tile<3>(op, m, n0, cols, y); break;
+            default: tile<4>(op, m, n0, cols, y); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+// The int32 product of torch._int_mm, scaled row by row.
+template <typename Out>
+void scale_rows(const Operands& op, const int32_t* acc, Out* y) {
+  at::parallel_for(0, op.M, std::max<int64_t>(1, 16384 / std::max<int64_t>(op.N, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const __m512 x_scale = _mm512_set1_ps(op.x_scale[m]);
+      for (int64_t n = 0; n < op.N; n += 16) {
+        const __mmask16 mask = lanes16(op.N - n);
+        const __m512i sums = _mm512_maskz_loadu_epi32(mask, acc + m * op.N + n);
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), x_scale), _mm512_maskz_loadu_ps(mask, op.w_scale + n));
+        if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, op.bias + n));
+        store16(y + m * op.N + n, v, mask);
+      }
+    }
+  });
+}
+
+template <typename In>
+void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& weight_scale,
+            const torch::Tensor& row_sum, const float* bias, bool by_tiles, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto x_scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* xsp = x_scale.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) xsp[m] = quantize_row(xp + m * K, K, xqp + m * K);
+  });
+  const Operands op{xqp, xsp, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(),
+                    bias, M, K, N};
+  In* yp = reinterpret_cast<In*>(y.data_ptr());  // y has x's dtype
+  if (by_tiles) {
+    product_by_tiles(op, yp);
+  } else {
+    const auto acc = at::_int_mm(xq, weight.t()).contiguous();
+    scale_rows(op, acc.data_ptr<int32_t>(), yp);
+  }
+}
+
+#endif  // TOKENMILL_INT8_VNNI
+
+torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& weight_scale,
+                          const torch::Tensor& weight_row_sum, const c10::optional<torch::Tensor>& bias,
+                          c10::string_view product) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "w8a8_linear: x must be a contiguous CPU [M, K]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+              "w8a8_linear: x must be float32, bfloat16 or float16, not ", dtype);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kInt8 && weight.is_contiguous(),
+              "w8a8_linear: weight must be a contiguous int8 [N, K]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "w8a8_linear: x has ", x.size(1), " features, the weight ", weight.size(1));
+  const int64_t N = weight.size(0);
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N && weight_scale.scalar_type() == torch::kFloat32 &&
+                  weight_scale.is_contiguous(), "w8a8_linear: weight_scale must be a contiguous float32 [N]");
+  TORCH_CHECK(weight_row_sum.dim() == 1 && weight_row_sum.size(0) == N &&
+                  weight_row_sum.scalar_type() == torch::kInt32 && weight_row_sum.is_contiguous(),
+              "w8a8_linear: weight_row_sum must be a contiguous int32 [N]");
+  TORCH_CHECK(product == "auto" || product == "tiles" || product == "int_mm",
+              "w8a8_linear: product must be 'auto', 'tiles' or 'int_mm', not '", std::string(product), "'");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+                    bias->is_contiguous(), "w8a8_linear: bias must be a contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(TOKENMILL_INT8_VNNI)
+  if (x.size(0) > 0 && N > 0) {
+    const bool by_tiles = product == "tiles" || (product == "auto" && x.size(0) < kIntMmRows);
+    if (dtype == torch::kFloat32) {
+      linear<float>(x, weight, weight_scale, weight_row_sum, bias_ptr, by_tiles, y);
+    } else if (dtype == torch::kBFloat16) {
+      linear<c10::BFloat16>(x, weight, weight_scale, weight_row_sum, bias_ptr, by_tiles, y);
+    } else {
+      linear<c10::Half>(x, weight, weight_scale, weight_row_sum, bias_ptr, by_tiles, y);
+    }
+  }
+#else
+  TORCH_CHECK(false, "w8a8_linear: this build has no AVX-512 VNNI kernel (isa() is 'none')");
+#endif
+  return y;
+}
+
+std::string isa() {
+#if defined(TOKENMILL_INT8_VNNI)
+  return "avx512_vnni";
+#else
+  return "none";
+#endif
+}
+
+}  // namespace
+
+// A torch op (torch.ops.tokenmill_int8.w8a8_linear), so that torch function modes see the call:
+// the CPU platform's step-graph capture then runs such steps eagerly instead of replaying them
+// without it. Registered from C++, a call costs the dispatcher's few microseconds.
+TORCH_LIBRARY(tokenmill_int8, m) {
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_row_sum, Tensor? bias, "
+        "str product='auto') -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_int8, CPU, m) { m.impl("w8a8_linear", &w8a8_linear); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set the kernel was built for ('none': not built for VNNI)");
+}
