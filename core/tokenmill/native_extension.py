@@ -1,0 +1,103 @@
+"""Compiling a plugin's C++ kernel on first use, once per source and machine.
+
+Quantization plugins carry small C++ kernels (GGUF's in-register dequantising matmul, int8's
+fused W8A8 linear) that are compiled where they run, with ``-march=native``, rather than
+shipped as wheels for every CPU. :func:`load_native_extension` builds one with
+``torch.utils.cpp_extension.load`` into a folder of ``$TOKENMILL_KERNEL_CACHE`` (default
+``~/.cache/tokenmill/kernels``) whose name hashes the Python environment, torch's version, the
+sources, the flags and the CPU's feature flags: a changed source or another machine gets its
+own build, and a finished one is imported without a compiler. Concurrent first uses take turns
+under a lock file (the OS drops it if its holder dies); a build is written under a temporary
+name and renamed into place complete, so a reader never sees half of one.
+
+(The CPU platform's own kernels have a richer builder: progress reports, seeding from an older
+build, a packaged ninja. This one is the small common case.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def load_native_extension(module_name: str, cache_prefix: str, sources: Sequence[Path],
+                          cflags: Sequence[str], description: str) -> ModuleType:
+    """The compiled module `module_name` of `sources`, built first if this machine has no build
+    of them yet. Raises whatever the build raises (no compiler, no ninja, refused flags): the
+    caller decides what runs instead. `cache_prefix` names the build folders (``gguf-<hash>``);
+    `description` is what the build's log line calls it."""
+    folder = build_directory(cache_prefix, sources, cflags)
+    library = folder / f"{module_name}.so"
+    if not library.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(folder.parent / f"{cache_prefix}-build.lock"):
+            if not library.exists():  # another process may have built it while we waited
+                _build(module_name, sources, cflags, folder, description)
+    return _import(module_name, library)
+
+
+def build_directory(cache_prefix: str, sources: Sequence[Path], cflags: Sequence[str]) -> Path:
+    import torch
+
+    root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
+    key = hashlib.sha1()
+    for part in (sys.prefix, torch.__version__, *(s.read_text() for s in sources), " ".join(cflags), _cpu_flags()):
+        key.update(part.encode() + b"\0")
+    return root / f"{cache_prefix}-{key.hexdigest()[:16]}"
+
+
+def _build(module_name: str, sources: Sequence[Path], cflags: Sequence[str], folder: Path, description: str) -> None:
+    from torch.utils.cpp_extension import load
+
+    logger.info("building the %s into %s (once per machine and source)", description, folder)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".building-", dir=folder.parent))
+    try:
+        load(name=module_name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
+             build_directory=str(staging), verbose=False)
+        staging.chmod(0o755)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _import(module_name: str, library: Path) -> ModuleType:
+    import torch  # noqa: F401  (the module links against libtorch)
+
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _cpu_flags() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (its name off Linux)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.processor()
