@@ -19,12 +19,14 @@ number before the tensor; x86-64 keeps stores in order and loads in order (TSO),
 all this needs. Elsewhere (aarch64 reorders them, and Python has no fence) the group keeps
 gloo.
 
-Waiting: a rank spins on its peers' numbers for ``SPIN_SECONDS`` (between ranks on their
-own cores a collective is over in microseconds), then sleeps on the peer's number as a futex
-(futex.py), which its post wakes: a rank whose peer is not running (a busy machine, or more
-ranks than cores) leaves the core at once and wakes the moment the peer posts. (Growing naps
-instead of the futex made collectives ~3x slower than gloo's on a loaded machine: each nap
-overshoots the post.) Each sleep ends after ``LIVENESS_SECONDS`` to check that the peers'
+Waiting: a rank sleeps on the peer's number as a futex (futex.py), which the peer's post
+wakes: a rank whose peer is not running (a busy machine, or more ranks than cores) leaves the
+core at once and wakes the moment the peer posts. It may first spin on the numbers for
+``TOKENMILL_CPU_SHM_SPIN_US`` microseconds (default 0), which saves the futex's wake-up where
+each rank has a core to itself; measured on a loaded machine (load average 7-12 on 2 cores), a
+50 µs spin made TP=2's decode steps 30% slower than gloo's, no spin made them equal with 25% less
+time in collectives (docs/benchmarks.md). (Growing naps instead of the futex were ~3x slower
+than gloo: each nap overshoots the post.) Each sleep ends after ``LIVENESS_SECONDS`` to check that the peers'
 processes live: a peer that died fails the collective with an error (the executor then fails
 the engine, as gloo's closed socket made it).
 
@@ -68,7 +70,7 @@ SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "tokenmill-comm-"
 LINE = 64  # bytes per rank's sequence number: one cache line, so ranks never write one line
 HEADER = 4096  # the sequence numbers' page; the slots start page-aligned after it
-SPIN_SECONDS = 50e-6
+SPIN_ENV = "TOKENMILL_CPU_SHM_SPIN_US"
 LIVENESS_SECONDS = 0.1
 SEQUENCE_MASK = 0x7FFFFFFF  # sequence numbers are int32 futex words: they wrap, compared for equality
 _ORDERED_STORES = {"x86_64", "amd64", "i386", "i686"}
@@ -79,6 +81,11 @@ def shm_enabled() -> bool:
     if os.environ.get(ENABLE_ENV, "1").strip().lower() in {"0", "off", "false", "no"}:
         return False
     return platform.machine().lower() in _ORDERED_STORES and SHM_DIR.is_dir() and futex_available()
+
+
+def spin_seconds() -> float:
+    """How long a waiting rank spins before it sleeps (``TOKENMILL_CPU_SHM_SPIN_US``, default 0)."""
+    return max(0.0, float(os.environ.get(SPIN_ENV, "0"))) * 1e-6
 
 
 def slot_bytes() -> int:
@@ -189,6 +196,7 @@ class ShmCommunicator(Communicator):
         self.pids = pids
         self.calls = 0  # this rank's sequence number: collectives run through the segment
         self.fallbacks = 0  # collectives that went over gloo instead (too large, not contiguous)
+        self.spin = spin_seconds()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fits(x):
@@ -244,15 +252,15 @@ class ShmCommunicator(Communicator):
 
     def _wait_for_peers(self, before: int) -> None:
         """Until no rank's sequence number is still ``before`` (the previous collective's; a
-        peer is then at this one, or already at the next): spin, then sleep on it."""
+        peer is then at this one, or already at the next): spin (if asked to), then sleep on it."""
         sequence = self.segment.sequence
         waiting = [r for r in range(self.world_size) if r != self.rank]
-        start = time.perf_counter()
+        start = time.perf_counter() if self.spin else 0.0
         while True:
             waiting = [r for r in waiting if sequence[r * LINE // 4] == before]
             if not waiting:
                 return
-            if time.perf_counter() - start < SPIN_SECONDS:
+            if self.spin and time.perf_counter() - start < self.spin:
                 continue
             futex_wait(self.segment.addresses[waiting[0]], before, LIVENESS_SECONDS)
             if sequence[waiting[0] * LINE // 4] == before:  # the sleep timed out (or a signal ended it)
