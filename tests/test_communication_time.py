@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from worker_probe import communicator_kinds
+
 from tokenmill import LLM, SamplingParams
 
 
@@ -18,9 +20,11 @@ def test_both_ranks_count_the_same_collectives_inside_their_steps(llama_path):
         before = llm.engine.core.executor.collective_rpc("communication_stats")
         _generate(llm)
         after = llm.engine.core.executor.collective_rpc("communication_stats")
+        kinds = communicator_kinds(llm)
     finally:
         llm.engine.shutdown()
     runs = [{key: a[key] - b[key] for key in a} for a, b in zip(after, before, strict=True)]
+    assert kinds == ["ShmCommunicator"] * 2  # the CPU platform's own: both ranks are on this machine
     # every layer all-reduces after its attention and after its MLP
     layers = json.loads((llama_path / "config.json").read_text())["num_hidden_layers"]
     for run in runs:

@@ -44,3 +44,12 @@ def _pid(worker: Any) -> int:
     import os
 
     return os.getpid()
+
+
+def communicator_kinds(llm: Any) -> list[str]:
+    """The class of every rank's tensor-parallel communicator (the platform's choice), in rank order."""
+    return llm.engine.core.executor.collective_rpc(_communicator_kind)
+
+
+def _communicator_kind(worker: Any) -> str:
+    return type(worker.comm).__name__

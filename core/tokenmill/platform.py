@@ -13,7 +13,8 @@ What only some platforms can do is an optional capability, one small
 and does without where it is missing: :class:`ThreadAffine`,
 :class:`KVCacheAllocator`, :class:`KVCachePrefault`, :class:`StepGraphCapture`
 (graph capture), :class:`KernelFeatures` (compute capability, attention
-priorities) and :class:`ActivationProfiling`. The ``platform_*`` functions below are those tests, with the
+priorities), :class:`ActivationProfiling` and :class:`GroupCommunicator` (its own
+collectives for a tensor-parallel group: the CPU's shared-memory ones). The ``platform_*`` functions below are those tests, with the
 fallback, so a caller never probes attributes itself.
 """
 
@@ -23,7 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.layers.communicator import Communicator
     from tokenmill.plugins.manager import PluginManager
 
 
@@ -62,7 +64,9 @@ class DtypeDefaults(Protocol):
 
 
 class CommunicationBackend(Protocol):
-    """The torch.distributed backend its ranks talk through (gloo, nccl — RCCL on ROCm —, xccl)."""
+    """The torch.distributed backend its ranks talk through (gloo, nccl — RCCL on ROCm —, xccl).
+    The tensor-parallel layers' collectives go through it too, unless the platform brings its
+    own communicator (:class:`GroupCommunicator`)."""
 
     dist_backend: str
 
@@ -164,6 +168,18 @@ class StepGraphCapture(Protocol):
                            batch_size: int) -> tuple[StepGraph, tuple[torch.Tensor, ...]]: ...
 
 
+@runtime_checkable
+class GroupCommunicator(Protocol):
+    """The platform brings the :class:`~tokenmill.layers.communicator.Communicator` of each
+    tensor-parallel group (a subclass: its collectives by another way than ``dist_backend``,
+    such as the CPU's through shared memory between the ranks of one machine). Called by
+    every rank of ``group`` at one point while the worker is built (``group``: a
+    ``torch.distributed`` group, None for the default one; it may run collectives on it to
+    agree), with the rank within the group. Without it: the ``dist_backend`` communicator."""
+
+    def create_communicator(self, rank: int, world_size: int, group: Any) -> Communicator: ...
+
+
 @dataclass(frozen=True)
 class DeviceKVAllocator:
     """The allocation of a platform without :class:`KVCacheAllocator`: zeros on its device."""
@@ -189,6 +205,16 @@ def platform_kv_prefault_bytes(platform: Platform, config: EngineConfig) -> int:
 def platform_device_count(platform: Platform) -> int | None:
     """How many ranks the platform has devices for; None: no limit (the CPU's ranks share its cores)."""
     return platform.device_count() if isinstance(platform, DevicePerRank) else None
+
+
+def platform_communicator(platform: Platform | None, rank: int, world_size: int, group: Any = None) -> Communicator:
+    """The tensor-parallel group's communicator: the platform's own (:class:`GroupCommunicator`),
+    else the ``torch.distributed`` one over its ``dist_backend``."""
+    if platform is not None and isinstance(platform, GroupCommunicator):
+        return platform.create_communicator(rank, world_size, group)
+    from tokenmill.layers.communicator import Communicator
+
+    return Communicator(rank, world_size, group)
 
 
 def platform_step_graph_capture(platform: Platform) -> StepGraphCapture | None:

@@ -70,7 +70,7 @@ class Worker:
         dtype = getattr(torch, spec.dtype)
         if checkpoint is None:
             checkpoint = load_checkpoint(spec.model_path, self.plugins, platform, dtype, tokenizer=spec.config.tokenizer)
-        groups = parallel_groups(spec)
+        groups = parallel_groups(spec, platform)
         self.comm = groups.tensor
         self.stage = groups.stage
         self.step_seconds = 0.0  # wall time in execute_model and sample_tokens, for communication_stats

@@ -5,7 +5,9 @@ decode batches replayed as step graphs (see step_graph), and malloc told to keep
 freed memory for the next step (see allocator).
 
 Beside tokenmill.plugin_api.Platform it has every optional capability there:
-ThreadAffine, KVCacheAllocator, KVCachePrefault and StepGraphCapture."""
+ThreadAffine, KVCacheAllocator, KVCachePrefault, StepGraphCapture and
+GroupCommunicator (tensor-parallel ranks of one machine meet in shared memory,
+see shm_communicator; gloo where they cannot)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tokenmill.layers import register_layer_ops
+from tokenmill.layers import Communicator, register_layer_ops
 from tokenmill.plugin_api import (
     EngineConfig,
     StepGraph,
@@ -30,6 +33,7 @@ from tokenmill_platform_cpu.cores import usable_cores
 from tokenmill_platform_cpu.kernels import load_kernels
 from tokenmill_platform_cpu.layer_ops import CpuLayerOps
 from tokenmill_platform_cpu.sampling import CpuSamplingKernels
+from tokenmill_platform_cpu.shm_communicator import create_shm_communicator
 from tokenmill_platform_cpu.step_graph import capture_step_graph
 
 logger = logging.getLogger(__name__)
@@ -129,6 +133,11 @@ class CpuPlatform:
         if kernels is None or pool is None:
             raise StepGraphUnsupported("the CPU kernels are not built")
         return capture_step_graph(kernels, run, pool, batch_size)
+
+    def create_communicator(self, rank: int, world_size: int, group: Any) -> Communicator:
+        """Shared-memory collectives where every rank of ``group`` is on this machine (and
+        ``TOKENMILL_CPU_SHM_COMM`` is not 0), else gloo's."""
+        return create_shm_communicator(rank, world_size, group)
 
     def synchronize(self) -> None:
         pass
