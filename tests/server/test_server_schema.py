@@ -1,7 +1,8 @@
 """schemathesis against the running server's own ``/openapi.json``: every schema-valid request is
 accepted (2xx), nothing is a 5xx, every answer has a documented status, content type and body.
 
-The examples are derandomized and bounded: a short run here, a longer one marked ``slow``. A few
+The examples are derandomized and bounded: a short run here, a longer one marked ``long`` (deselected by
+default: ``bash scripts/test -m long``). A few
 request fields take languages the schema cannot describe (a regular expression, a JSON schema, a
 Jinja template, a grammar), depend on the server's flags (tools need --tool-call-parser), or
 relate two fields in ways it cannot state (``min_tokens`` at most ``max_tokens``, a prompt within
@@ -113,7 +114,7 @@ def test_schema_short(case):
     _run(case)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @schema.parametrize()
 @settings(max_examples=LONG_EXAMPLES, derandomize=True, deadline=None,
           suppress_health_check=list(HealthCheck))

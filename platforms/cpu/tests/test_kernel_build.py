@@ -51,6 +51,7 @@ def _wait_for(condition, limit_s: float) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.long  # a whole kernel build from scratch: ~150 s of the CI's 30 minutes
 def test_a_start_after_a_killed_build_builds_instead_of_waiting(tmp_path):
     """The build is killed once torch has taken its own lock (SIGKILL to its process group, as
     ``timeout -s KILL`` does: nothing can clean up); the next start must neither wait on that lock nor need PATH's
