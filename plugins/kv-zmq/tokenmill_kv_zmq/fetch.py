@@ -56,82 +56,110 @@ def fetch_layers(context: zmq.Context, peers: Sequence[str], target: FetchTarget
     deadline, or once ``target.cancelled`` is set, :class:`FetchFailed`: the blocks may hold
     part of an answer, which nobody may use. ``remote_request_id``: the producer's request that
     holds them, when the kv_transfer_params say so."""
-    deadline = time.monotonic() + timeout_s
-    body = json.dumps({"hashes": target.hashes, "request_id": remote_request_id}).encode()
-    answers: dict[zmq.Socket, _Answer] = {}
-    monitors: dict[zmq.Socket, zmq.Socket] = {}  # a peer's connection events -> its socket
-    poller = zmq.Poller()
-    pending: set[zmq.Socket] = set()  # asked, answer not given up on
-    current: zmq.Socket | None = None  # the peer whose answer is being loaded (the others wait unread)
-    reasons: list[str] = []
-    loaded = 0
-
-    def give_up(sock: zmq.Socket, reason: str) -> None:
-        nonlocal current
-        pending.discard(sock)
-        reasons.append(f"{answers[sock].peer}: {reason}")
-        if current is None or sock is current:  # else it is not polled now
-            poller.unregister(sock)
-        if sock is current:
-            current = None
-            for other in pending:  # their answers are queued, unread: take the first one complete
-                poller.register(other, zmq.POLLIN)
-
+    fetch = _Fetch(context, target)
     try:
+        fetch.ask(peers, json.dumps({"hashes": target.hashes, "request_id": remote_request_id}).encode())
+        return fetch.wait(time.monotonic() + timeout_s, timeout_s)
+    finally:
+        fetch.close()
+
+
+class _Fetch:
+    """One fetch's sockets and answers. Every asked peer answers at once, but only one answer
+    is read at a time: once a peer's header says it holds the blocks, the others wait unread
+    (zmq queues them) until that peer is given up on, so no layer is ever written twice."""
+
+    def __init__(self, context: zmq.Context, target: FetchTarget) -> None:
+        self.context = context
+        self.target = target
+        self.answers: dict[zmq.Socket, _Answer] = {}
+        self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a peer's connection events -> its socket
+        self.poller = zmq.Poller()
+        self.pending: set[zmq.Socket] = set()  # asked, answer not given up on
+        self.current: zmq.Socket | None = None  # the peer whose answer is being loaded
+        self.reasons: list[str] = []
+        self.loaded = 0
+
+    def ask(self, peers: Sequence[str], body: bytes) -> None:
         for peer in peers:
-            sock = context.socket(zmq.DEALER)
+            sock = self.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
-            answers[sock] = _Answer(peer)
-            monitors[monitor] = sock
-            poller.register(monitor, zmq.POLLIN)
+            self.answers[sock] = _Answer(peer)
+            self.monitors[monitor] = sock
+            self.poller.register(monitor, zmq.POLLIN)
             try:
                 sock.connect(peer)
             except zmq.ZMQError as exc:  # a malformed address (the params may name anything)
-                reasons.append(f"{peer}: {exc}")
+                self.reasons.append(f"{peer}: {exc}")
                 continue
             sock.send_multipart([FETCH, body])
-            poller.register(sock, zmq.POLLIN)
-            pending.add(sock)
-        while pending:
-            if target.cancelled.is_set():
+            self.poller.register(sock, zmq.POLLIN)
+            self.pending.add(sock)
+
+    def wait(self, deadline: float, timeout_s: float) -> int:
+        """Poll until one answer is complete (its bytes), or raise FetchFailed."""
+        while self.pending:
+            if self.target.cancelled.is_set():
                 raise FetchFailed("cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise FetchFailed(f"no intact answer within {timeout_s:g} s ({'; '.join(reasons) or 'silence'})")
-            for sock, _event in poller.poll(int(min(remaining, 0.05) * 1000) + 1):
-                if sock in monitors:  # refused, or gone mid-answer: no (more) answer will come
-                    recv_monitor_message(sock)
-                    peer_sock = monitors[sock]
-                    if peer_sock in pending and not peer_sock.poll(0):
-                        give_up(peer_sock, "connection refused or lost")
-                    continue
-                if sock not in pending or (current is not None and sock is not current):
-                    continue
-                answer = answers[sock]
-                parts = sock.recv_multipart(copy=False)
-                try:
-                    if answer.runs is None:
-                        if parts and parts[0].bytes == MISSING:
-                            give_up(sock, "does not hold them")
-                            continue
-                        answer.runs = read_header(parts, target.kv_caches, target.hashes)
-                        current = sock
-                        for other in pending - {sock}:
-                            poller.unregister(other)
-                        continue
-                    loaded += _load_layer(parts, target, answer)
-                except BadPayload as exc:
-                    give_up(sock, f"bad payload: {exc}")
-                    continue
-                if answer.next_layer == len(target.kv_caches):
-                    return loaded
-        raise FetchFailed("; ".join(reasons) or "no peer to ask")
-    finally:
-        for monitor, sock in monitors.items():
+                raise FetchFailed(f"no intact answer within {timeout_s:g} s ({'; '.join(self.reasons) or 'silence'})")
+            for sock, _event in self.poller.poll(int(min(remaining, 0.05) * 1000) + 1):
+                if sock in self.monitors:
+                    self._connection_event(sock)
+                elif self._message(sock):
+                    return self.loaded
+        raise FetchFailed("; ".join(self.reasons) or "no peer to ask")
+
+    def _connection_event(self, monitor: zmq.Socket) -> None:
+        """Refused, or gone mid-answer: no (more) answer will come, unless it is already queued."""
+        recv_monitor_message(monitor)
+        sock = self.monitors[monitor]
+        if sock in self.pending and not sock.poll(0):
+            self._give_up(sock, "connection refused or lost")
+
+    def _message(self, sock: zmq.Socket) -> bool:
+        """Read one message of ``sock``'s answer; whether the answer is now complete."""
+        if sock not in self.pending or (self.current is not None and sock is not self.current):
+            return False
+        answer = self.answers[sock]
+        parts = sock.recv_multipart(copy=False)
+        try:
+            if answer.runs is None:
+                self._header(sock, answer, parts)
+                return False
+            self.loaded += _load_layer(parts, self.target, answer)
+        except BadPayload as exc:
+            self._give_up(sock, f"bad payload: {exc}")
+            return False
+        return answer.next_layer == len(self.target.kv_caches)
+
+    def _header(self, sock: zmq.Socket, answer: _Answer, parts: list[zmq.Frame]) -> None:
+        """A first message: "missing", or the header of an answer, which is then the one read."""
+        if parts and parts[0].bytes == MISSING:
+            self._give_up(sock, "does not hold them")
+            return
+        answer.runs = read_header(parts, self.target.kv_caches, self.target.hashes)
+        self.current = sock
+        for other in self.pending - {sock}:
+            self.poller.unregister(other)
+
+    def _give_up(self, sock: zmq.Socket, reason: str) -> None:
+        self.pending.discard(sock)
+        self.reasons.append(f"{self.answers[sock].peer}: {reason}")
+        if self.current is None or sock is self.current:  # else it is not polled now
+            self.poller.unregister(sock)
+        if sock is self.current:
+            self.current = None
+            for other in self.pending:  # their answers are queued, unread: take the first one complete
+                self.poller.register(other, zmq.POLLIN)
+
+    def close(self) -> None:
+        for monitor, sock in self.monitors.items():
             sock.disable_monitor()
             monitor.close(linger=0)
-        for sock in answers:
+        for sock in self.answers:
             sock.close(linger=0)
 
 
