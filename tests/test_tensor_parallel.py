@@ -26,6 +26,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.executor.remote_ranks import WorkerFailure
 from tokenmill.executor.tensor_parallel import check_tensor_parallel
 from tokenmill.layers import Linear, MergedLinear, ModelBuildContext, ParallelLMHead, VocabEmbedding, load_weight
+from tokenmill.plugin_api import process_alive
 
 MAX_NEW = 10
 
@@ -211,16 +212,7 @@ def test_two_ranks_match_one_rank_and_transformers(arch, model_factory):
     pids = worker_pids(llm)
     assert len(set(pids)) == 2 and os.getpid() not in pids
     llm.engine.shutdown()
-    assert not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie waiting for its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_killed_worker_fails_the_engine_quickly_and_leaves_no_process(llama_path):
@@ -241,9 +233,9 @@ def test_a_killed_worker_fails_the_engine_quickly_and_leaves_no_process(llama_pa
         llm.generate([{"prompt_token_ids": p} for p in _prompts(4)] * 4, params)
     killer.join()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_killed_worker_stops_the_async_engine_and_fails_its_requests(llama_path):
@@ -273,7 +265,7 @@ def test_a_killed_worker_stops_the_async_engine_and_fails_its_requests(llama_pat
         results = asyncio.run(run())
         assert all(isinstance(r, EngineDeadError) and "worker rank 1" in str(r) for r in results), results
         assert not engine.is_running and "worker rank 1" in (engine.dead_reason or "")
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(process_alive(pid) for pid in pids)
     finally:
         engine.shutdown()
 
@@ -304,6 +296,6 @@ def test_a_killed_engine_leaves_no_worker_behind(llama_path):
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)

@@ -86,6 +86,7 @@ if TYPE_CHECKING:
         ThreadAffine,
     )
     from tokenmill.plugins.manager import PluginManager, get_plugin_manager
+    from tokenmill.processes import process_alive
     from tokenmill.reasoning import (
         ReasoningDelta,
         ReasoningParser,
@@ -142,6 +143,7 @@ _LAZY = {
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
     "load_native_extension": "tokenmill.native_extension",
+    "process_alive": "tokenmill.processes",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
     **dict.fromkeys(["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"],
                     "tokenmill.sample.draft_sampler"),
@@ -205,6 +207,7 @@ __all__ = [
     "register_sampling_kernels",
     "lazy_zeros",
     "load_native_extension",
+    "process_alive",
     # attention backends
     "AttentionBackend",
     "AttentionMetadata",

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.layers import Communicator
-from tokenmill.plugin_api import parse_size
+from tokenmill.plugin_api import parse_size, process_alive
 from tokenmill_platform_cpu.futex import futex_available, futex_wait, futex_wake
 
 logger = logging.getLogger(__name__)
@@ -268,23 +268,6 @@ class ShmCommunicator(Communicator):
 
     def _check_peers(self, ranks: list[int]) -> None:
         for rank in ranks:
-            if not _alive(self.pids[rank]):
+            if not process_alive(self.pids[rank]):
                 raise PeerDied(f"tensor-parallel rank {rank} (pid {self.pids[rank]}) exited during a collective "
                                f"of rank {self.rank}")
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: the signal-0 probe (a zombie still counts as alive there)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
