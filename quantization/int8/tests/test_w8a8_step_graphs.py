@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not (cpu_kernel_runs() and cpu_kernels.kernels_a
                                 reason="needs the int8 kernel (AVX-512 VNNI) and the CPU platform's kernels")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])  # the kernel's tiles (below 16 rows) and its torch._int_mm product
+@pytest.mark.parametrize("rows", [1, 7, 64])  # the kernel's tiles (below 8 rows) and its panels
 def test_a_captured_w8a8_call_replays_on_new_inputs(rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=generator).bfloat16()

@@ -19,8 +19,9 @@
 //   for the cache) into an int32 [M, N], then one pass that scales it.
 // - "panels" (many rows): the weight packed per call, 64 rows at a time, into vpdpbusd's broadcast
 //   layout, 6 input rows by 64 weight rows in registers, scaled in registers (see product_by_panels).
-// "auto" takes tiles below kIntMmRows rows, panels from there on (a few to 20% faster than int_mm
-// at 16-256 rows on the benchmark Llamas' shapes: scripts/bench_int8_linear.py).
+// "auto" takes tiles below kManyRowsFrom (8) rows, panels from there on (on the benchmark Llamas'
+// shapes, scripts/bench_int8_linear.py: panels 12% faster than tiles summed over the four at 8
+// rows, 19% slower at 4; a few to 20% faster than int_mm at 16-256 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -43,7 +44,7 @@ namespace {
 
 constexpr int kTile = 4;             // input rows and weight rows of one register tile
 constexpr int64_t kRowChunk = 64;    // input rows a thread walks per weight tile
-constexpr int64_t kIntMmRows = 16;   // from here on, "auto" multiplies by kManyRows
+constexpr int64_t kManyRowsFrom = 8;  // from here on, "auto" multiplies by kManyRows
 constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
 constexpr float kInt8Max = 127.0f;
 
@@ -301,7 +302,7 @@ void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y
 }
 
 enum class Product { kTiles, kIntMm, kPanels };
-constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kIntMmRows rows on
+constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kManyRowsFrom rows on
 
 // The rows of x quantised, shifted to unsigned and padded (with 128: times the panels' zero words)
 // to Kp bytes a row, for the panels.
@@ -383,7 +384,7 @@ void w8a8_linear_into(const torch::Tensor& x, const torch::Tensor& weight, const
     const Product chosen = product == "tiles" ? Product::kTiles
                            : product == "int_mm" ? Product::kIntMm
                            : product == "panels" ? Product::kPanels
-                           : x.size(0) < kIntMmRows ? Product::kTiles : kManyRows;
+                           : x.size(0) < kManyRowsFrom ? Product::kTiles : kManyRows;
     if (dtype == torch::kFloat32) {
       linear<float>(x, weight, weight_scale, weight_row_sum, bias_ptr, chosen, y);
     } else if (dtype == torch::kBFloat16) {
