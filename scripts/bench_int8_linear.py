@@ -7,9 +7,9 @@ The shapes are the benchmark Llamas' projections (tiny: hidden 512, MLP 1536; 10
 * ``bf16`` / ``f32``: ``F.linear`` on the float weight (oneDNN / MKL);
 * ``int8 torch``: the torch path (``quantize_per_token``, ``torch._int_mm``, ``scale_output``);
 * ``_int_mm only``: the int8 product alone, the activations already quantized;
-* ``kernel tiles`` / ``kernel int_mm``: the plugin's fused AVX-512 VNNI kernel with its two
-  products (its own register tiles over the weight as stored; ``torch._int_mm`` between its
-  quantization and scaling passes), activations bfloat16 as in a bfloat16 model, each checked
+* ``kernel tiles`` / ``kernel int_mm`` / ``kernel panels``: the plugin's fused AVX-512 VNNI kernel with
+  its three products (its own register tiles over the weight as stored; ``torch._int_mm`` between
+  its quantization and scaling passes; its own broadcast tiles over weight panels it packs per call), activations bfloat16 as in a bfloat16 model, each checked
   equal to the torch path first. ``auto`` takes tiles below 16 rows.
 
     python scripts/bench_int8_linear.py                   # M = 1, 64, 512; torch's default threads
@@ -75,8 +75,8 @@ def main() -> None:
     clock = CLOCKS[args.clock]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused kernel: {fused}, {args.clock} clock")
     print("| shape | M | bf16 µs | f32 µs | int8 torch µs | _int_mm only µs | kernel tiles µs | kernel int_mm µs "
-          "| best kernel vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| kernel panels µs | best kernel vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
     for name in args.shapes.split(","):
         k, n = SHAPES[name.strip()]
@@ -101,13 +101,13 @@ def measure(x: torch.Tensor, weight: torch.Tensor, fused: bool, budget: float, c
     kernels = {}
     if fused:
         expected = w8a8_linear_torch(x_bf16, wq, w_scale, None)
-        for product in ("tiles", "int_mm"):
+        for product in ("tiles", "int_mm", "panels"):
             def call(product: str = product) -> torch.Tensor:
                 return w8a8_linear_cpu(x_bf16, wq, w_scale, row_sum, None, product)
             assert torch.equal(call(), expected), f"the {product} kernel differs from the torch path"
             kernels[product] = microseconds(call, budget, clock)
     shown = [f"{cells[c]:.1f}" for c in ("bf16", "f32", "torch", "int_mm")]
-    shown += [f"{kernels[p]:.1f}" if p in kernels else "—" for p in ("tiles", "int_mm")]
+    shown += [f"{kernels[p]:.1f}" if p in kernels else "—" for p in ("tiles", "int_mm", "panels")]
     return [*shown, f"{cells['bf16'] / min(kernels.values()):.2f}x" if kernels else "—"]
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ own build, and a finished one is imported without a compiler. Concurrent first u
 under a lock file (the OS drops it if its holder dies); a build is written under a temporary
 name and renamed into place complete, so a reader never sees half of one.
 
+A kernel that a model's decode step calls should be registered as a torch op (``TORCH_LIBRARY``)
+with an out overload, ``ns::name(...) -> Tensor`` and ``ns::name.out(..., *, Tensor(a!) out) ->
+Tensor(a!)``, and called as ``torch.ops.ns.name``: the CPU platform's step graphs then record and
+replay it (docs/plugins.md, "Quantization methods"); without the out overload such steps run eagerly.
+
 (The CPU platform's own kernels have a richer builder: progress reports, seeding from an older
 build, a packaged ninja. This one is the small common case.)
 """

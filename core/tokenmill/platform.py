@@ -160,7 +160,10 @@ class StepGraphCapture(Protocol):
     ``new_graph_pool``: the memory the graphs of one runner share (they never run at
     once), sized for ``max_batch_size``; ``capture_step_graph``: run ``run`` (a forward
     of ``batch_size`` tokens) once and record it, returning the graph and ``run``'s
-    output tensors, which every replay rewrites. Raises StepGraphUnsupported."""
+    output tensors, which every replay rewrites. Raises StepGraphUnsupported. The CPU
+    platform records its own kernels and, of a plugin's (a torch op ``ns::name``), calls of
+    the op's out overload ``ns::name.out(..., *, Tensor(a!) out)``; an op without one makes
+    the capture fail and the step run eagerly."""
 
     def new_graph_pool(self, max_batch_size: int) -> object: ...
 

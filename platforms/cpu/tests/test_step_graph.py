@@ -179,3 +179,55 @@ def test_graphs_of_one_pool_share_buffers_and_replay_in_turn(ops):
             ids[rows].copy_(torch.randint(0, 100, (rows,), generator=generator))
             graph.replay()
             torch.testing.assert_close(out, block(ids[rows]))
+
+
+# A namespace of test ops defined from Python (the convention holds for any namespace): `scaled` has
+# an out overload, `doubled` has none, `lying` has one that writes something else than the op.
+_TEST_OPS = torch.library.Library("tokenmill_step_graph_test", "DEF")
+_TEST_OPS.define("scaled(Tensor x, float factor=2.0) -> Tensor")
+_TEST_OPS.define("scaled.out(Tensor x, float factor=2.0, *, Tensor(a!) out) -> Tensor(a!)")
+_TEST_OPS.define("doubled(Tensor x) -> Tensor")
+_TEST_OPS.define("lying(Tensor x) -> Tensor")
+_TEST_OPS.define("lying.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)")
+_TEST_OPS.impl("scaled", lambda x, factor=2.0: x * factor, "CPU")
+_TEST_OPS.impl("scaled.out", lambda x, factor=2.0, *, out: torch.mul(x, factor, out=out), "CPU")
+_TEST_OPS.impl("doubled", lambda x: x * 2, "CPU")
+_TEST_OPS.impl("lying", lambda x: x + 1, "CPU")
+_TEST_OPS.impl("lying.out", lambda x, *, out: out.copy_(x), "CPU")
+
+
+def test_a_registered_op_with_an_out_overload_is_replayed_through_it(ops):
+    """A call of torch.ops.<ns>.<name> (here aten's mm and addmm, C++ ops with out overloads,
+    keyword and scalar arguments included, and a Python-defined op of another namespace) is
+    recorded as a call of its out overload into a pooled buffer: each replay reruns it on the
+    new inputs."""
+    g = torch.Generator().manual_seed(4)
+    x, norm = torch.randn(3, 64, generator=g), torch.rand(64, generator=g)
+    weight, bias = torch.randn(64, 24, generator=g), torch.randn(24, generator=g)
+
+    def eager() -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.ops.aten.mm(ops.rms_norm(x, norm, 1e-6), weight)
+        scaled = torch.ops.tokenmill_step_graph_test.scaled(h, factor=0.5)
+        return scaled, torch.ops.aten.addmm.default(bias, h, weight[:24], beta=0.25, alpha=3)
+
+    graph, (scaled, added) = capture_step_graph(load_kernels(), eager, _pool(), 3)
+    assert [name for name, _ in graph.profile()] == ["rms_norm", "aten::mm.out", "tokenmill_step_graph_test::scaled.out",
+                                                     "aten::addmm.out"]
+    for seed in range(2):
+        x.copy_(torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        expected = eager()
+        assert torch.equal(scaled, expected[0]) and torch.equal(added, expected[1])
+
+
+@pytest.mark.parametrize(("op", "reason"), [
+    (lambda x: torch.ops.tokenmill_step_graph_test.doubled(x),
+     "torch op tokenmill_step_graph_test::doubled computes outside the kernels and has no out overload"),
+    (lambda x: torch.ops.aten.cosine_similarity(x, x), "torch op aten::cosine_similarity computes"),
+    (lambda x: torch.ops.tokenmill_step_graph_test.lying(x),
+     "torch op tokenmill_step_graph_test::lying.out wrote other values than tokenmill_step_graph_test::lying computed"),
+])
+def test_a_registered_op_without_a_faithful_out_overload_is_refused_by_name(ops, op, reason):
+    x, norm = torch.randn(2, 64), torch.ones(64)
+    with pytest.raises(StepGraphUnsupported, match=reason):
+        capture_step_graph(load_kernels(), lambda: (op(ops.rms_norm(x, norm, 1e-6)),), _pool(), 2)

@@ -6,11 +6,14 @@ and is recorded. Whatever else the forward does goes through torch, and a torch
 call would not be replayed, so a torch function mode watches them all: allocations,
 views (outputs that alias an input) and metadata (shapes, strides) are safe, the
 token embedding, torch's linear (matmuls the kernels do not take) and contiguous
-copies are lowered to graph ops, and anything else (another computation, an
-in-place op, a value read back into Python) makes the capture fail with the call's
-name; the model runner then runs that batch size eagerly. A failed capture has only
-run the step's own kernels (its K/V writes included), so running the step again
-eagerly is harmless.
+copies are lowered to graph ops, and so is a call of any registered op
+(``torch.ops.<ns>.<name>``: a plugin's C++ kernel) that has an out overload
+``name.out(..., *, Tensor(a!) out) -> Tensor(a!)``, recorded as a boxed call of that
+overload into a pooled buffer (:mod:`.out_overloads` states the contract). Anything else
+(another computation, an op without an out overload, an in-place op, a value read back
+into Python) makes the capture fail with the call's name; the model runner then runs
+that batch size eagerly. A failed capture has only run the step's own kernels (its K/V
+writes included), so running the step again eagerly is harmless.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tokenmill.plugin_api import StepGraphUnsupported
+from tokenmill_platform_cpu.out_overloads import is_registered_op, op_name, out_overload, record_out_call
 
 _ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
 # Calls that return facts about a tensor rather than its values (`__get__`: shape, dtype, ...).
@@ -96,6 +100,8 @@ class _TorchCallGuard(TorchFunctionMode):
             return self._recorder.contiguous(args[0])
         if _writes(name, kwargs):
             raise StepGraphUnsupported(f"torch call {name} writes a tensor outside the kernels")
+        if is_registered_op(func) and (out_op := out_overload(func)) is not None:
+            return record_out_call(self._recorder.graph, func, out_op, args, kwargs)
         out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             return out
@@ -104,6 +110,9 @@ class _TorchCallGuard(TorchFunctionMode):
             return out  # a view
         if not tensors and name in _METADATA:
             return out
+        if tensors and is_registered_op(func):
+            raise StepGraphUnsupported(f"torch op {op_name(func)} computes outside the kernels and has no out "
+                                       f"overload to record ({op_name(func)}.out(..., *, Tensor(a!) out))")
         raise StepGraphUnsupported(f"torch call {name} {'computes' if tensors else 'reads a value'} outside the kernels")
 
 

@@ -34,7 +34,7 @@ SHAPES = [(m, k, n) for m in (1, 7, 64) for k, n in ((50, 33), (64, 96), (200, 1
 
 def test_an_unknown_product_is_refused_by_name() -> None:
     weight = torch.ones(4, 8, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="product must be 'auto', 'tiles' or 'int_mm', not 'fast'"):
+    with pytest.raises(RuntimeError, match="product must be 'auto', 'tiles', 'int_mm' or 'panels', not 'fast'"):
         w8a8_linear_cpu(torch.ones(1, 8), weight, torch.ones(4), weight.sum(dim=1, dtype=torch.int32), None, "fast")
 
 
@@ -42,7 +42,7 @@ def test_the_kernel_is_built_where_the_cpu_has_vnni() -> None:
     assert cpu_kernel_runs()
 
 
-@pytest.mark.parametrize("product", ["tiles", "int_mm"])
+@pytest.mark.parametrize("product", ["tiles", "int_mm", "panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_the_kernel_gives_the_torch_paths_bits(m: int, k: int, n: int, dtype: torch.dtype, product: str) -> None:
@@ -58,7 +58,7 @@ def test_the_kernel_gives_the_torch_paths_bits(m: int, k: int, n: int, dtype: to
         assert torch.equal(ours, expected), (ours - expected).abs().max()
 
 
-@pytest.mark.parametrize("product", ["tiles", "int_mm"])
+@pytest.mark.parametrize("product", ["tiles", "int_mm", "panels"])
 def test_zero_rows_and_saturated_products_are_exact(product: str) -> None:
     """An all-zero row (the smallest scale), and rows whose quantized values all sit at +-127
     against weights of +-127 and -128 (the tiles' largest products: K * 255 * 128 before the offset)."""

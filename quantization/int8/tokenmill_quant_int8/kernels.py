@@ -120,8 +120,9 @@ def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     """:func:`w8a8_linear_torch` in one call of the CPU kernel (where :func:`cpu_kernel_runs`);
     ``weight_row_sum``: ``weight.sum(dim=1)`` in int32, kept with the layer. ``product``: how the
     kernel multiplies, ``"tiles"`` (its own VNNI loops over the weight as stored: few rows),
-    ``"int_mm"`` (``torch._int_mm``, then its own scaling pass: many rows) or ``"auto"``
-    (tiles below 16 rows); all give the same bits."""
+    ``"int_mm"`` (``torch._int_mm``, then its own scaling pass: many rows), ``"panels"`` (its own
+    VNNI tiles over weight panels it packs per call: many rows) or ``"auto"`` (tiles below 8
+    rows, panels from there on); all give the same bits."""
     if not cpu_kernel_runs():  # (cached) loading the kernel registers its op
         raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
     return torch.ops.tokenmill_int8.w8a8_linear(x.contiguous(), weight, weight_scale, weight_row_sum,
@@ -131,8 +132,9 @@ def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 @functools.cache
 def cpu_kernel_runs() -> bool:
     """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI). Loading it registers
-    its op, ``torch.ops.tokenmill_int8.w8a8_linear`` (in C++: a call through torch's dispatcher,
-    which torch function modes see, the CPU platform's step-graph capture among them)."""
+    its op, ``torch.ops.tokenmill_int8.w8a8_linear``, and its out overload ``w8a8_linear.out`` (in
+    C++: calls through torch's dispatcher, which torch function modes see; the CPU platform's
+    step-graph capture records the call as one of the out overload, replayed from C++)."""
     from tokenmill_quant_int8.cpu_kernel import load_w8a8_kernel
 
     return load_w8a8_kernel() is not None

@@ -17,7 +17,14 @@
 // pool's n-th slot, sized for the largest batch. All batch sizes up to 64 then
 // cost what the graph of 64 alone would (tiny model: ~16 MB) instead of ~30
 // times that.
+//
+// Kernels that are not the platform's (a quantization plugin's, registered with
+// TORCH_LIBRARY) are recorded through their `out` overload: `call_out` finds
+// `ns::name.out` in torch's dispatcher, matches the Python arguments to its schema
+// once, and each replay calls it boxed on a copy of that argument stack (the
+// tensors shared, not copied), into pooled buffers given as its out arguments.
 #include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
 #include <chrono>
@@ -152,6 +159,22 @@ class StepGraph {
     return record("contiguous", [=]() mutable { out.copy_(x); }, out);
   }
 
+  // A pooled buffer of `like`'s shape and dtype (contiguous), for an out overload to write into.
+  at::Tensor buffer_like(at::Tensor like) { return buffer(like.sizes(), like.options()); }
+
+  // A call of the registered op `name` (`ns::op`) by its overload `overload` (an out overload,
+  // whose out arguments the caller passes in `kwargs` as buffers from buffer_like): run now and
+  // on each replay, boxed through the dispatcher, with no Python in between.
+  void call_out(const std::string& name, const std::string& overload, pybind11::tuple args, pybind11::dict kwargs) {
+    const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const torch::jit::Stack arguments = torch::jit::createStackForSchema(
+        op.schema(), args, pybind11::reinterpret_borrow<pybind11::kwargs>(kwargs), std::nullopt);
+    record(name + "." + overload, [op, arguments]() {
+      torch::jit::Stack stack = arguments;  // callBoxed consumes its stack
+      op.callBoxed(stack);
+    });
+  }
+
   void replay() {
     for (auto& op : ops_) op();
   }
@@ -173,10 +196,10 @@ class StepGraph {
 
  private:
   template <typename Op>
-  void record(const char* name, Op op) {
+  void record(std::string name, Op op) {
     op();
     ops_.emplace_back(std::move(op));
-    names_.emplace_back(name);
+    names_.emplace_back(std::move(name));
   }
 
   template <typename Op>
@@ -214,6 +237,8 @@ void bind_step_graph(pybind11::module& m) {
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("linear", &StepGraph::linear)
+      .def("buffer_like", &StepGraph::buffer_like)
+      .def("call_out", &StepGraph::call_out)
       .def("replay", &StepGraph::replay, py::call_guard<py::gil_scoped_release>())
       .def("profile", &StepGraph::profile, py::call_guard<py::gil_scoped_release>())
       .def("__len__", &StepGraph::size);
