@@ -42,6 +42,8 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
                     at::Tensor slot_mapping);
 void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                     const at::Tensor& token_slots, int64_t num_slots, const std::vector<int64_t>& slices);
+void routed_moe_out(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13, const at::Tensor& w2,
+                    int64_t top_k, bool renormalize, at::Tensor& expert_load, at::Tensor& out);
 
 class GraphPool {
  public:
@@ -129,6 +131,16 @@ class StepGraph {
     }, out);
   }
 
+  // A whole MoE layer from its router logits (grouped_moe.cpp): each replay routes the tokens
+  // anew and adds their pairs to expert_load.
+  at::Tensor routed_moe(at::Tensor x, at::Tensor router_logits, at::Tensor w13, at::Tensor w2, int64_t top_k,
+                        bool renormalize, at::Tensor expert_load) {
+    auto out = buffer(x.sizes(), x.options());
+    return record("routed_moe", [=]() mutable {
+      routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, out);
+    }, out);
+  }
+
   // The token embedding lookup (torch's embedding op, which the capture lowers to this).
   at::Tensor embedding(at::Tensor weight, at::Tensor ids) {
     TORCH_CHECK(weight.dim() == 2 && ids.dim() == 1, "embedding: weight [V, H] and ids [T]");
@@ -211,6 +223,7 @@ void bind_step_graph(pybind11::module& m) {
       .def("paged_attention", &StepGraph::paged_attention)
       .def("write_kv_cache", &StepGraph::write_kv_cache)
       .def("lora_delta_", &StepGraph::lora_delta_)
+      .def("routed_moe", &StepGraph::routed_moe)
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("linear", &StepGraph::linear)
