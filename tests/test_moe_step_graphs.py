@@ -25,7 +25,8 @@ def _prompts() -> list[dict]:
 
 
 def _run(llm: LLM) -> tuple[list, dict]:
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    # requests finishing one after another: decode batches of 4, 3, 2 and 1
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True, logprobs=0) for i in range(4)]
     outputs = llm.generate(_prompts(), params)
     tokens = [(out.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in out.outputs[0].logprobs])
               for out in outputs]

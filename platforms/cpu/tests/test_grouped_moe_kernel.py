@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.layers import NativeLayerOps
 from tokenmill.layers.moe_routing import MoERouting, select_experts
+from tokenmill.plugin_api import StepGraphUnsupported
 from tokenmill_platform_cpu.kernels import kernels_available, load_kernels
 from tokenmill_platform_cpu.step_graph import active_kernels, capture_step_graph
 
@@ -142,3 +143,20 @@ def test_a_step_graph_replays_the_routed_layer_on_new_inputs():
         weights, ids = select_experts(logits, MoERouting(top_k=2))
         torch.testing.assert_close(out, NATIVE.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
     assert int(load.sum()) == 3 * 5 * 2  # the capture's own run and two replays
+
+
+def test_a_failed_capture_puts_the_expert_load_back():
+    """A capture that fails after a MoE layer reruns its step eagerly, which counts the
+    step's pairs again: the capture's own count must be undone."""
+    kernels = load_kernels()
+    w13, w2 = _experts(torch.float32)
+    x, _, _ = _routed(3, 2, torch.float32)
+    load = torch.full((EXPERTS,), 7, dtype=torch.int64)
+
+    def layer_then_torch() -> tuple[torch.Tensor, ...]:
+        out = active_kernels(kernels).routed_moe(x, torch.randn(3, EXPERTS), w13, w2, 2, True, load)
+        return (torch.sigmoid(out),)  # computed in torch: not replayable
+
+    with pytest.raises(StepGraphUnsupported):
+        capture_step_graph(kernels, layer_then_torch, kernels.GraphPool(8), 3)
+    assert torch.equal(load, torch.full((EXPERTS,), 7, dtype=torch.int64))

@@ -83,8 +83,10 @@ constexpr bool has_vector_body() {
 // transposing as it adds (pairs of rows, then pairs of pairs, then 128-bit lanes).
 inline __m512 reduce16(const __m512 (&a)[16]) {
   __m512 pairs[8], quads[4];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = a[2i], b = a[2i+1]
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of a[4i], ..., a[4i + 3]
     const __m512d lo = _mm512_castps_pd(pairs[2 * i]), hi = _mm512_castps_pd(pairs[2 * i + 1]);
     quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
@@ -98,55 +100,85 @@ inline __m512 reduce16(const __m512 (&a)[16]) {
 }
 #endif
 
-// sums[r][m] = w[r][0:k] . x[m][0:k] for r < R, m < M
+#if defined(__AVX512F__)
+// acc[r][m] += w[r][i : i + lanes] . x[m][i : i + lanes] (lanes: 16 float32, 32 bfloat16;
+// `mask` keeps the lanes within the row, the others load as zeros)
+template <typename T, int R, int M, typename Mask>
+inline void multiply_add(__m512 (&acc)[R][M], const T* const* w, const T* const* x, int64_t i, Mask mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w[r] + i);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[m] + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    __m512bh wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, w[r] + i);
+      std::memcpy(&wv[r], &v, sizeof(v));
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, x[m] + i);
+      __m512bh xv;
+      std::memcpy(&xv, &v, sizeof(v));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+    }
+#endif
+  }
+}
+#endif
+
+// sums[r][m] = w[r][0:k] . x[m][0:k] for r < R, m < M. Not inlined: inside the tile loops
+// the compiler ran short of registers (pointers moved through vector registers, each x
+// vector loaded once per weight row).
 template <typename T, int R, int M>
-inline void dot_tile(const T* const* w, const T* const* x, int64_t k, float (&sums)[R][kTileRows]) {
+__attribute__((noinline)) void dot_tile(const T* const* w, const T* const* x, int64_t k, float (&sums)[R][kTileRows]) {
 #if defined(__AVX512F__)
   if constexpr (has_vector_body<T>()) {
     __m512 acc[R][M];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    if constexpr (std::is_same_v<T, float>) {
-      for (int64_t i = 0; i < k; i += 16) {
-        const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-        __m512 wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w[r] + i);
-        for (int m = 0; m < M; ++m) {
-          const __m512 xv = _mm512_maskz_loadu_ps(mask, x[m] + i);
-          for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-        }
-      }
-    } else {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-      for (int64_t i = 0; i < k; i += 32) {
-        const __mmask32 mask = k - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (k - i)) - 1);
-        __m512bh wv[R];
-        for (int r = 0; r < R; ++r) {
-          const __m512i v = _mm512_maskz_loadu_epi16(mask, w[r] + i);
-          std::memcpy(&wv[r], &v, sizeof(v));
-        }
-        for (int m = 0; m < M; ++m) {
-          const __m512i v = _mm512_maskz_loadu_epi16(mask, x[m] + i);
-          __m512bh xv;
-          std::memcpy(&xv, &v, sizeof(v));
-          for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-        }
-      }
-#endif
-    }
+    constexpr int64_t lanes = std::is_same_v<T, float> ? 16 : 32;
+    using Mask = std::conditional_t<std::is_same_v<T, float>, __mmask16, __mmask32>;
+    int64_t i = 0;
+    for (; i + lanes <= k; i += lanes) multiply_add<T, R, M>(acc, w, x, i, static_cast<Mask>(~0u));
+    if (i < k) multiply_add<T, R, M>(acc, w, x, i, static_cast<Mask>((1u << (k - i)) - 1));
     if constexpr (R * M == 16) {
-      alignas(64) float flat[16];
-      _mm512_store_ps(flat, reduce16(reinterpret_cast<const __m512(&)[16]>(acc)));
+      // copied out rather than cast: an accumulator array whose address is taken is kept
+      // in memory, one store per accumulator per step of the loop above
+      __m512 flat[16];
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) sums[r][m] = flat[r * M + m];
+  #pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) flat[r * M + m] = acc[r][m];
+      alignas(64) float reduced[16];
+      _mm512_store_ps(reduced, reduce16(flat));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+  #pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) sums[r][m] = reduced[r * M + m];
     } else {
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
+  #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
     }
     return;
   }
 #endif
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       float sum = 0.f;
       for (int64_t i = 0; i < k; ++i) sum += widen(w[r][i]) * widen(x[m][i]);
