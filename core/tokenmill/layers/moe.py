@@ -239,6 +239,9 @@ class FusedMoE(nn.Module):
         return param
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        routed = self._route_and_run_in_one_op(hidden, router_logits)
+        if routed is not None:
+            return self.comm.all_reduce(routed) if self.reduce_results else routed
         weights, ids = select_experts(router_logits, self.routing, self.e_score_correction_bias)
         load = cast(torch.Tensor, self.expert_load)
         load += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
@@ -247,6 +250,22 @@ class FusedMoE(nn.Module):
         else:
             out = self.quant_method.apply(self, hidden, weights, ids)
         return self.comm.all_reduce(out) if self.reduce_results else out
+
+    def _route_and_run_in_one_op(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor | None:
+        """Plain softmax top-k routing of plain experts held whole, as one op of the platform's
+        where it has one (an optional ``routed_fused_moe`` layer op: the CPU platform's kernel,
+        which its step graphs record, so that MoE decode steps replay; it counts
+        ``expert_load`` too); None otherwise, or where that op declines the tensors."""
+        routing = self.routing
+        if (self.placement.is_partial or type(self.quant_method) is not UnquantizedFusedMoEMethod
+                or routing.scoring != "softmax" or routing.num_groups > 1 or routing.correction_bias
+                or routing.scaling_factor != 1.0):
+            return None
+        routed_fused_moe = getattr(layer_ops(hidden.device), "routed_fused_moe", None)
+        if routed_fused_moe is None:
+            return None
+        return cast("torch.Tensor | None", routed_fused_moe(hidden, router_logits, self.gate_up_proj, self.down_proj,
+                                                            routing.top_k, routing.renormalize, self.expert_load))
 
     def _apply_held_experts(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: the token-expert pairs whose expert this rank holds, run by the

@@ -39,6 +39,11 @@ PACKED_MAX_ROWS = 256
 # 1.3x (six; as fast at eight), float32 ~1.1x at one row (MKL's sgemv) and as fast
 # at two; from three rows float32 goes to the packed panels.
 SMALL_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 6}
+# The grouped MoE kernel takes layers of at most this many token-expert pairs per expert
+# (decode batches); past it (prefill chunks) torch's matmuls per expert (MKL, oneDNN) were
+# as fast or faster: at 75 pairs an expert (300 tokens, top-2 of 8, 512 x 1024) the torch
+# grouping ran in 0.8-0.9x the kernel's time, at 16 (64 tokens) in 1.1-1.8x.
+GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT = 32
 
 
 class CpuLayerOps(NativeLayerOps):
@@ -53,6 +58,7 @@ class CpuLayerOps(NativeLayerOps):
         self._small_max_rows = {dtype: SMALL_MAX_ROWS[dtype]
                                 for dtype in (getattr(torch, name) for name in kernels.small_linear_dtypes())}
         self._packing = bool(kernels.packed_linear_available())
+        self._grouped_moe_dtypes = {getattr(torch, name) for name in kernels.grouped_moe_dtypes()}
         self._packed_budget = packed_budget
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -100,12 +106,27 @@ class CpuLayerOps(NativeLayerOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
+        if topk_ids.dim() == 2 and self._grouped_kernel_applies(x, w13, w2, topk_ids.shape[1]):
+            return active_kernels(self._kernels).grouped_moe(x, w13, w2, topk_weights, topk_ids)
         # Fewer token-expert pairs than experts (decode of a batch or two): each expert gets a
         # row or so, grouping buys nothing and its sort costs ~1 ms (measured at batch 1:
         # reference 5.3 ms, grouped 6.3 ms per layer of 8 experts, 512 x 1024).
         if x.dim() != 2 or topk_ids.numel() < w13.shape[0]:
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
         return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, self.silu_and_mul)
+
+    def routed_fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         top_k: int, renormalize: bool, expert_load: torch.Tensor) -> torch.Tensor | None:
+        """A whole MoE layer from its router logits in one kernel call (softmax, top-k, the
+        ``expert_load`` count, the experts: ``kernels/grouped_moe.cpp``), which a step graph
+        records, so MoE decode steps replay; None where the kernel does not apply."""
+        if not self._grouped_kernel_applies(x, w13, w2, top_k) or router_logits.dim() != 2:
+            return None
+        return active_kernels(self._kernels).routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load)
+
+    def _grouped_kernel_applies(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+        return (x.dim() == 2 and x.dtype in self._grouped_moe_dtypes and w13.dtype == w2.dtype == x.dtype
+                and x.shape[0] * top_k <= GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT * w13.shape[0])
 
     # -- LoRA (tokenmill.lora.layers.LoRADeltaOps): the C++ kernel, which step graphs can record --
     def lora_delta_supported(self, dtype: torch.dtype) -> bool:

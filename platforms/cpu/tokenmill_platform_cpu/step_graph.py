@@ -13,7 +13,10 @@ overload into a pooled buffer (:mod:`.out_overloads` states the contract). Anyth
 (another computation, an op without an out overload, an in-place op, a value read back
 into Python) makes the capture fail with the call's name; the model runner then runs
 that batch size eagerly. A failed capture has only run the step's own kernels (its K/V
-writes included), so running the step again eagerly is harmless.
+writes included), so running the step again eagerly is harmless; the one kernel that
+adds to a tensor rather than writing it (the MoE layers' expert-load counts,
+``routed_moe``) has the counts put back, so that the eager rerun does not count the
+step twice.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ def capture_step_graph(kernels: ModuleType, run: Callable[[], tuple[torch.Tensor
     try:
         with _TorchCallGuard(recorder):
             out = run()
+    except BaseException:
+        recorder.restore_counts()
+        raise
     finally:
         _recording.reset(token)
     if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) for t in out):
@@ -70,6 +76,18 @@ class _Recorder:
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
+        self._counts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a counter, its values before the capture)
+
+    def routed_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   top_k: int, renormalize: bool, expert_load: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():  # a copy of our own, not a call of the forward's
+            self._counts.append((expert_load, expert_load.clone()))
+        return self.graph.routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load)
+
+    def restore_counts(self) -> None:
+        """Undo the capture run's additions to counters: a failed capture's step reruns eagerly."""
+        for counter, before in reversed(self._counts):
+            counter.copy_(before)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         try:

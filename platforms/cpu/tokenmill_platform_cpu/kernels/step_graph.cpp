@@ -49,6 +49,8 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
                     at::Tensor slot_mapping);
 void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                     const at::Tensor& token_slots, int64_t num_slots, const std::vector<int64_t>& slices);
+void routed_moe_out(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13, const at::Tensor& w2,
+                    int64_t top_k, bool renormalize, at::Tensor& expert_load, at::Tensor& out);
 
 class GraphPool {
  public:
@@ -133,6 +135,16 @@ class StepGraph {
                          int64_t num_slots, std::vector<int64_t> slices) {
     return record("lora_delta_", [=]() mutable {
       lora_delta_out(x, out, lora_a, lora_b_t, token_slots, num_slots, slices);
+    }, out);
+  }
+
+  // A whole MoE layer from its router logits (grouped_moe.cpp): each replay routes the tokens
+  // anew and adds their pairs to expert_load.
+  at::Tensor routed_moe(at::Tensor x, at::Tensor router_logits, at::Tensor w13, at::Tensor w2, int64_t top_k,
+                        bool renormalize, at::Tensor expert_load) {
+    auto out = buffer(x.sizes(), x.options());
+    return record("routed_moe", [=]() mutable {
+      routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, out);
     }, out);
   }
 
@@ -234,6 +246,7 @@ void bind_step_graph(pybind11::module& m) {
       .def("paged_attention", &StepGraph::paged_attention)
       .def("write_kv_cache", &StepGraph::write_kv_cache)
       .def("lora_delta_", &StepGraph::lora_delta_)
+      .def("routed_moe", &StepGraph::routed_moe)
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("linear", &StepGraph::linear)
