@@ -1,7 +1,8 @@
-"""The GGUF kernel's quantised-activation path (``activations="q8"`` / ``"q8x2"``, AVX-512 VNNI).
+"""The GGUF kernel's quantised-activation path (``activations="q8"``, ``"q8x2"``, ``"q8x3"``; AVX-512 VNNI).
 
-The activations are quantised to 8-bit blocks of 32 (and, with ``q8x2``, a second plane for
-the first one's rounding error at 1/128 of its scale), then multiplied as integers. Three checks:
+The activations are quantised to 8-bit blocks of 32 (and, with ``q8x2`` / ``q8x3``, a second / third
+plane for the previous one's rounding error at 1/128 of its scale), then multiplied as integers.
+Three checks:
 
 - the quantised activations themselves, value for value: multiplied by an identity matrix in
   each block type (one weight 1 per row, built by hand in the type's layout), the kernel
@@ -39,6 +40,7 @@ FLAGS = set(re.findall(r"\w+", Path("/proc/cpuinfo").read_text())) if Path("/pro
 requires_vnni = pytest.mark.skipif(KERNEL is None or "avx512_vnni" not in FLAGS,
                                    reason="needs the GGUF CPU kernel built on a CPU with AVX-512 VNNI")
 FLOAT_SLACK = 1e-6
+PLANES = {"q8": 1, "q8x2": 2, "q8x3": 3}
 
 
 def quantised_activations(x: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,15 +50,15 @@ def quantised_activations(x: torch.Tensor, planes: int) -> tuple[torch.Tensor, t
     blocks = x.reshape(m, k // 32, 32)
     d = blocks.abs().amax(dim=-1, keepdim=True) * (torch.tensor(1.0) / 127.0)
     inverse = torch.where(d == 0, torch.zeros_like(d), torch.tensor(1.0) / d)
-    q1 = torch.round(blocks * inverse).clamp(-127, 127)
-    if planes == 1:
-        values, step = d.double() * q1.double(), d.expand_as(blocks)
-    else:
-        residual = (blocks.double() - d.double() * q1.double()).float()  # one rounding, as the kernel's FMA
-        q2 = torch.round(residual * (inverse * 128.0)).clamp(-127, 127)
-        step = (d / 128.0).expand_as(blocks)
-        values = step.double() * (128.0 * q1.double() + q2.double())
-    return values.reshape(m, k), step.reshape(m, k).double()
+    residual, step, value = blocks, d, torch.zeros_like(blocks, dtype=torch.float64)
+    for plane in range(planes):
+        q = torch.round(residual * (inverse * 128.0**plane)).clamp(-127, 127)
+        value = 128.0 * value + q.double()
+        if plane + 1 < planes:  # what this plane left, rounded once (the kernel's FMA)
+            residual = (residual.double() - step.double() * q.double()).float()
+            step = step / 128.0
+    values = step.double() * value
+    return values.reshape(m, k), step.expand_as(blocks).reshape(m, k).double()
 
 
 def identity_blocks(k: int, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -87,7 +89,7 @@ def product(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType,
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("activations", ["q8", "q8x2"])
+@pytest.mark.parametrize("activations", ["q8", "q8x2", "q8x3"])
 @requires_vnni
 def test_the_kernel_quantises_the_activations_as_the_reference(qtype: GGMLQuantizationType, activations: str) -> None:
     k = 96  # three blocks: the last of a row pairs with zeros
@@ -96,12 +98,12 @@ def test_the_kernel_quantises_the_activations_as_the_reference(qtype: GGMLQuanti
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(3)) * 3
     x[:, 32:64] = 0  # a zero block: scale 0
     x[2, :32] = 1e-3 * x[2, :32]
-    values, _ = quantised_activations(x, 1 if activations == "q8" else 2)
+    values, _ = quantised_activations(x, PLANES[activations])
     assert torch.equal(product(x, identity, qtype, activations), values.float())
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("activations", ["q8", "q8x2"])
+@pytest.mark.parametrize("activations", ["q8", "q8x2", "q8x3"])
 @pytest.mark.parametrize("m", [1, 7, 64])
 @requires_vnni
 def test_the_product_is_the_quantised_activations_times_the_weights(qtype: GGMLQuantizationType, activations: str,
@@ -112,7 +114,7 @@ def test_the_product_is_the_quantised_activations_times_the_weights(qtype: GGMLQ
     generator = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=generator), torch.randn(n, generator=generator)
     got = product(x, qweight, qtype, activations, bias).double()
-    values, step = quantised_activations(x, 1 if activations == "q8" else 2)
+    values, step = quantised_activations(x, PLANES[activations])
     expected = values @ weight.T + bias.double()
     magnitude = values.abs() @ weight.abs().T + bias.abs().double()
     assert ((got - expected).abs() <= FLOAT_SLACK * magnitude).all()
@@ -123,14 +125,15 @@ def test_the_product_is_the_quantised_activations_times_the_weights(qtype: GGMLQ
 
 
 @requires_vnni
-def test_q8x2_is_within_float_tolerance_and_q8_is_not() -> None:
-    # Why the GGUF method defaults to two planes: the float path's test tolerance holds for it.
+def test_more_planes_come_within_float_tolerance_and_one_is_not() -> None:
+    # The float path's test tolerance (test_gguf_kernels) holds from two planes on.
     qtype, k = Q.Q4_1, 13 * 32
     qweight = packed(37, k, qtype)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(0))
     expected = x @ dequantize_rows(qweight, qtype, k).T
     tolerance = {"rtol": 1e-4, "atol": 1e-4 * float(expected.abs().max())}
-    torch.testing.assert_close(product(x, qweight, qtype, "q8x2"), expected, **tolerance)
+    for activations in ("q8x2", "q8x3"):
+        torch.testing.assert_close(product(x, qweight, qtype, activations), expected, **tolerance)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(product(x, qweight, qtype, "q8"), expected, **tolerance)
 
@@ -138,9 +141,9 @@ def test_q8x2_is_within_float_tolerance_and_q8_is_not() -> None:
 @requires_vnni
 def test_kernel_path_names_the_loop_each_type_takes() -> None:
     for qtype in Q8_TYPES:
-        assert KERNEL.kernel_path(int(qtype), "q8x2") == KERNEL.kernel_path(int(qtype), "q8") == "avx512_vnni"
+        assert {KERNEL.kernel_path(int(qtype), activations) for activations in PLANES} == {"avx512_vnni"}
         assert KERNEL.kernel_path(int(qtype)) == KERNEL.kernel_path(int(qtype), "float32") != "avx512_vnni"
-    assert KERNEL.kernel_path(int(Q.Q4_K), "q8x2") != "avx512_vnni"  # the K-quants keep the float path
+    assert KERNEL.kernel_path(int(Q.Q4_K), "q8x3") != "avx512_vnni"  # the K-quants keep the float path
 
 
 @pytest.mark.skipif(KERNEL is None, reason="the GGUF CPU kernel did not build here")
@@ -148,11 +151,11 @@ def test_types_without_the_path_multiply_with_float_activations() -> None:
     qtype, k = Q.Q6_K, 512
     qweight = packed(9, k, qtype)
     x = torch.randn(3, k)
-    assert torch.equal(product(x, qweight, qtype, "q8x2"), KERNEL.gguf_matmul(x, qweight, int(qtype), k))
+    assert torch.equal(product(x, qweight, qtype, "q8x3"), KERNEL.gguf_matmul(x, qweight, int(qtype), k))
 
 
 @pytest.mark.skipif(KERNEL is None, reason="the GGUF CPU kernel did not build here")
-@pytest.mark.parametrize("activations", ["float32", "q8x2"])
+@pytest.mark.parametrize("activations", ["float32", "q8x3"])
 def test_the_out_overload_writes_what_the_functional_op_returns(activations: str) -> None:
     # The form the CPU platform's step graphs record: the result into a buffer of theirs.
     qtype, k = Q.Q4_0, 64

@@ -521,13 +521,15 @@ torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweigh
 }
 
 // How the activations enter the product: "float32" as they are (the weights dequantised into
-// float FMAs), "q8" quantised to 8-bit blocks of 32 as llama.cpp does, "q8x2" with a second
-// 8-bit plane for the first's rounding error (~15 bits; see gguf_q8_matmul.cpp).
+// float FMAs), "q8" quantised to 8-bit blocks of 32 as llama.cpp does, "q8x2" and "q8x3" with a
+// second and third 8-bit plane for the previous one's rounding error (~15, ~22 bits; see gguf_q8_matmul.cpp).
 int activation_planes(c10::string_view activations) {
   if (activations == "float32") return 0;
   if (activations == "q8") return 1;
   if (activations == "q8x2") return 2;
-  TORCH_CHECK(false, "gguf matmul: activations must be 'float32', 'q8' or 'q8x2', not '", std::string(activations), "'");
+  if (activations == "q8x3") return 3;
+  TORCH_CHECK(false, "gguf matmul: activations must be 'float32', 'q8', 'q8x2' or 'q8x3', not '",
+              std::string(activations), "'");
   return 0;
 }
 

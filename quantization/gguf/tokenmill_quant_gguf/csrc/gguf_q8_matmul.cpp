@@ -4,11 +4,11 @@
 // (vpdpbusd: 64 unsigned by signed byte products a call), scaled per block in float32.
 //
 // The activations of a block of 32 are quantised as in llama.cpp's Q8_0 (one float scale
-// d = amax * (1 / 127), q = round-half-even(x / d)), and with two planes a second 8-bit plane holds
-// the rounding error of the first at d / 128: x ~ d * q1 + (d / 128) * q2 = (d / 128) * (128 q1 + q2),
-// about 15 bits a value, so that the result stays within float tolerance of the float32 product
-// (one plane is llama.cpp's numerics). The two planes' integer products are combined exactly
-// (128 * dot1 + dot2 fits in int32) before the one conversion to float.
+// d = amax * (1 / 127), q = round-half-even(x * (1 / d))); one plane is llama.cpp's numerics. With more
+// planes each next 8-bit plane holds the rounding error of the one before at 1 / 128 of its scale:
+// x ~ d * q1 + (d / 128) * q2 (+ (d / 128^2) * q3), about 15 (22) bits a value. The planes' integer
+// products are combined exactly (128 * dot1 + dot2, then 128 * that + dot3, fit in int32) before the
+// one conversion to float, so a plane costs one more vpdpbusd, shift and add.
 //
 // vpdpbusd multiplies unsigned by signed bytes: the weights give the unsigned bytes (the 4 / 5-bit
 // quants as they are, Q8_0's signed ones xor 0x80), and what their offset (8 for Q4_0, 16 for Q5_0,
@@ -55,13 +55,14 @@ constexpr int kBlock = 32;
 constexpr int kTile = 4;             // rows of x and weight rows of one register tile
 constexpr int64_t kRowChunk = 32;    // rows of x a thread walks per weight tile
 constexpr float kInverse127 = 1.0f / 127.0f;
-constexpr float kSecondPlane = 128.0f;  // plane 2's scale is plane 1's / 128
+constexpr float kPlaneRatio = 128.0f;  // each plane's scale is the previous one's / 128
+constexpr int kMaxPlanes = 3;
 
 // Two blocks of one row of x, quantised for one weight type's byte order.
 struct alignas(64) ActivationPair {
-  int8_t q[2][64];      // plane 1, plane 2 (unused with one plane)
-  int32_t start[2][16];  // each plane's accumulator start: -offset * (sum of the lane's 4 bytes)
-  float scale[16];       // the lane's block scale, in units of the last plane (d, or d / 128)
+  int8_t q[kMaxPlanes][64];      // planes 1, 2, 3 (those past the call's planes unused)
+  int32_t start[kMaxPlanes][16];  // each plane's accumulator start: -offset * (sum of the lane's 4 bytes)
+  float scale[16];       // the lane's block scale, in units of the last plane (d, d / 128 or d / 128^2)
   float sum[16];         // scale * (the lane's 4 values as one integer): d_x * sum(q_x) shares
 };
 
@@ -104,7 +105,7 @@ void quantize_pair(const float* x, int count, int type, ActivationPair& out) {
   const bool nibbles = nibble_order(type);
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
-  __m128i part[2][4];
+  __m128i part[kMaxPlanes][4];
   float block_scale[2] = {0.0f, 0.0f};
   for (int b = 0; b < 2; ++b) {
     const __mmask16 present = b * kBlock < count ? 0xFFFF : 0;
@@ -113,19 +114,21 @@ void quantize_pair(const float* x, int count, int type, ActivationPair& out) {
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, half[0]), _mm512_andnot_ps(sign, half[1])));
     const float d = amax * kInverse127;
     const float inv = inverse(d);
-    const __m512 vd = _mm512_set1_ps(d), vinv = _mm512_set1_ps(inv), vinv2 = _mm512_set1_ps(inv * kSecondPlane);
     for (int h = 0; h < 2; ++h) {
-      // the default rounding mode rounds half to even, as torch.round
-      const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(half[h], vinv)), low), high);
-      part[0][2 * b + h] = _mm512_cvtepi32_epi8(q1);
-      if constexpr (Planes == 2) {
-        // the first plane's error, rounded once (x - d * q1 in one FMA), in steps of d / 128
-        const __m512 residual = _mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(q1), half[h]);
-        const __m512i q2 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(residual, vinv2)), low), high);
-        part[1][2 * b + h] = _mm512_cvtepi32_epi8(q2);
+      __m512 residual = half[h];
+      float step = d, inv_step = inv;
+      for (int p = 0; p < Planes; ++p) {
+        // the default rounding mode rounds half to even, as torch.round
+        const __m512i q = _mm512_min_epi32(
+            _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(residual, _mm512_set1_ps(inv_step))), low), high);
+        part[p][2 * b + h] = _mm512_cvtepi32_epi8(q);
+        // what this plane left, rounded once (residual - step * q in one FMA), for the next one
+        if (p + 1 < Planes) residual = _mm512_fnmadd_ps(_mm512_set1_ps(step), _mm512_cvtepi32_ps(q), residual);
+        step /= kPlaneRatio;
+        inv_step *= kPlaneRatio;
       }
+      block_scale[b] = step * kPlaneRatio;  // the last plane's
     }
-    block_scale[b] = Planes == 2 ? d / kSecondPlane : d;
   }
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i offset = _mm512_set1_epi32(-offset_of(type));
@@ -230,9 +233,9 @@ inline void multiply_pair(const Operands& op, const ActivationPair* x, const uin
     const __m512 scale = _mm512_load_ps(xp.scale);
     for (int c = 0; c < kTile; ++c) {
       __m512i dot = _mm512_dpbusd_epi32(s1, wp[c].q, q1);
-      if constexpr (Planes == 2) {
-        const __m512i second = _mm512_dpbusd_epi32(_mm512_load_si512(xp.start[1]), wp[c].q, _mm512_load_si512(xp.q[1]));
-        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), second);
+      for (int plane = 1; plane < Planes; ++plane) {  // 128 * dot + the next plane's: exact in int32
+        const __m512i next = _mm512_dpbusd_epi32(_mm512_load_si512(xp.start[plane]), wp[c].q, _mm512_load_si512(xp.q[plane]));
+        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), next);
       }
       acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wp[c].d, scale), acc[r][c]);
       if constexpr (has_min(Type)) acc[r][c] = _mm512_fmadd_ps(wp[c].m, _mm512_load_ps(xp.sum), acc[r][c]);
@@ -264,14 +267,17 @@ template <int Type, int Planes>
 void product(const Operands& op) {
   const int64_t tiles = (op.N + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(op.blocks * kBlock, 1));
+  // Rows of x a tile takes: 4 where the 16 accumulators, the 4 unpacked weight rows and a row's
+  // activations fit the 32 registers; 2 where several planes or the mins would spill them.
+  constexpr int64_t rows = Planes == 1 && !has_min(Type) ? kTile : 2;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < op.M; m0 += kRowChunk) {
       const int64_t m1 = std::min(op.M, m0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * kTile;
         const int cols = static_cast<int>(std::min<int64_t>(kTile, op.N - n0));
-        for (int64_t m = m0; m < m1; m += kTile) {
-          switch (std::min<int64_t>(kTile, m1 - m)) {
+        for (int64_t m = m0; m < m1; m += rows) {
+          switch (std::min<int64_t>(rows, m1 - m)) {
             case 1: tile<Type, Planes, 1>(op, m, n0, cols); break;
             case 2: tile<Type, Planes, 2>(op, m, n0, cols); break;
             case 3: tile<Type, Planes, 3>(op, m, n0, cols); break;
@@ -314,17 +320,17 @@ const char* q8_path(int type) {
   return nullptr;
 }
 
-// y[M, N] = x @ W^T (+ bias) with x quantised to `planes` (1 or 2) 8-bit planes; only where
+// y[M, N] = x @ W^T (+ bias) with x quantised to `planes` (1, 2 or 3) 8-bit planes; only where
 // q8_path(type) is not null. y may not alias x.
 void q8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_stride, int type,
                int planes, const float* bias, float* y) {
   TORCH_CHECK(q8_path(type) != nullptr, "gguf q8_matmul: no quantised-activation kernel for ggml type ", type);
 #if defined(TOKENMILL_GGUF_VNNI)
   if (M == 0 || N == 0) return;
-  if (planes == 1) {
-    run<1>(x, M, K, w, N, row_stride, type, bias, y);
-  } else {
-    run<2>(x, M, K, w, N, row_stride, type, bias, y);
+  switch (planes) {
+    case 1: run<1>(x, M, K, w, N, row_stride, type, bias, y); break;
+    case 2: run<2>(x, M, K, w, N, row_stride, type, bias, y); break;
+    default: run<3>(x, M, K, w, N, row_stride, type, bias, y); break;
   }
 #else
   (void)x, (void)M, (void)K, (void)w, (void)N, (void)row_stride, (void)planes, (void)bias, (void)y;
