@@ -5,7 +5,7 @@ One ``x[M, K] @ W[N, K].T`` per type, at M = 1 (decode) and M = 64 (a prefill ch
 batch), for a square 2048 x 2048 weight and SmolLM2's ``down_proj`` (N = 576, K = 1536).
 ``gguf_matmul`` runs the path the build CPU gets (``kernel_path``), ``gguf_matmul_portable``
 the portable loop every type keeps as its reference and fallback, the op with quantised
-activations (``q8x2``, ``q8``: integer dot products, AVX-512 VNNI) where the type has that
+activations (``q8x3``, ``q8x2``, ``q8``: integer dot products, AVX-512 VNNI) where the type has that
 path; a float32 ``F.linear`` on the dequantised weight is the yardstick. The two kernel paths are timed in alternation, each
 sample the median of a few calls, so a busy machine slows both alike and the ratio (the
 column worth reading on a shared machine) holds better than the absolute times.
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"kernel: {kernel.isa()}; {args.threads} thread(s); median of {args.calls} calls, "
           f"min over {args.rounds} alternating rounds")
     print(f"{'shape':>22} {'type':>5} {'M':>3} {'path':>7} {'vectorised ms':>13} {'portable ms':>11} "
-          f"{'speed-up':>8} {'q8x2 ms':>8} {'q8 ms':>8} {'f32 linear ms':>13}")
+          f"{'speed-up':>8} {'q8x3 ms':>8} {'q8x2 ms':>8} {'q8 ms':>8} {'f32 linear ms':>13}")
     for label, (n, k) in SHAPES.items():
         for qtype in sorted(KEPT_QUANTIZED, key=int):
             qweight = random_blocks(n, k, qtype)
@@ -109,9 +109,9 @@ def main() -> None:
                 case = (x, qweight, int(qtype), k)
                 v, p = alternate(kernel.gguf_matmul, kernel.gguf_matmul_portable, case, args.rounds, args.calls)
                 dense = sample(F.linear, (x, weight), args.calls)
-                q8x2, q8 = (quantised(kernel, case, activations, args) for activations in ("q8x2", "q8"))
+                q8x3, q8x2, q8 = (quantised(kernel, case, activations, args) for activations in ("q8x3", "q8x2", "q8"))
                 print(f"{label:>22} {qtype.name:>5} {m:>3} {kernel.kernel_path(int(qtype)):>7} {v * 1e3:>13.3f} "
-                      f"{p * 1e3:>11.3f} {p / v:>7.2f}x {q8x2:>8} {q8:>8} {dense * 1e3:>13.3f}")
+                      f"{p * 1e3:>11.3f} {p / v:>7.2f}x {q8x3:>8} {q8x2:>8} {q8:>8} {dense * 1e3:>13.3f}")
 
 
 if __name__ == "__main__":
