@@ -29,12 +29,14 @@ import torch
 from gguf import GGMLQuantizationType
 from test_gguf_kernels import packed
 
-from tokenmill_quant_gguf.blocks import dequantize_rows
+from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows
 from tokenmill_quant_gguf.cpu_kernel import load_cpu_kernel
 from tokenmill_quant_gguf.kernels import gguf_linear
+from tokenmill_quant_gguf.kquants import K_QUANTS
 
 Q = GGMLQuantizationType
 Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+TYPES = sorted(KEPT_QUANTIZED, key=int)
 KERNEL = load_cpu_kernel()
 FLAGS = set(re.findall(r"\w+", Path("/proc/cpuinfo").read_text())) if Path("/proc/cpuinfo").exists() else set()
 requires_vnni = pytest.mark.skipif(KERNEL is None or "avx512_vnni" not in FLAGS,
@@ -104,7 +106,7 @@ def test_the_kernel_quantises_the_activations_as_the_reference(qtype: GGMLQuanti
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("activations", ["q8", "q8x2", "q8x3"])
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", [1, 7, 31])  # from 32 rows on the op multiplies by a GEMM (below)
 @requires_vnni
 def test_the_product_is_the_quantised_activations_times_the_weights(qtype: GGMLQuantizationType, activations: str,
                                                                     m: int) -> None:
@@ -142,6 +144,7 @@ def test_more_planes_come_within_float_tolerance_and_one_is_not() -> None:
 def test_kernel_path_names_the_loop_each_type_takes() -> None:
     for qtype in Q8_TYPES:
         assert {KERNEL.kernel_path(int(qtype), activations) for activations in PLANES} == {"avx512_vnni"}
+        assert KERNEL.kernel_path(int(qtype), "q8x3", 64) == "dequantize + gemm"
         assert KERNEL.kernel_path(int(qtype)) == KERNEL.kernel_path(int(qtype), "float32") != "avx512_vnni"
     assert KERNEL.kernel_path(int(Q.Q4_K), "q8x3") != "avx512_vnni"  # the K-quants keep the float path
 
@@ -178,3 +181,23 @@ def test_linear_passes_its_activations_to_the_op() -> None:
     x = torch.randn(2, 3, k)
     got = gguf_linear(x, qweight, qtype, k, bias, activations="q8x2")
     assert torch.equal(got.reshape(6, 6), product(x.reshape(6, k), qweight, qtype, "q8x2", bias))
+
+
+@pytest.mark.skipif(KERNEL is None, reason="the GGUF CPU kernel did not build here")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("activations", ["float32", "q8x3"])
+def test_many_rows_multiply_the_dequantised_weights_by_a_gemm(qtype: GGMLQuantizationType, activations: str) -> None:
+    # From 32 rows on, whatever the activations say: panels of 256 weight rows dequantised, then
+    # at::mm (N = 300: a full panel and a partial one). Within float32 summation error of the
+    # float64 product: K * 2^-24 of the sum of the terms' magnitudes (the classic dot-product bound).
+    m, n = 64, 300
+    k = 3 * (256 if qtype in K_QUANTS else 32)
+    qweight = packed(n, k, qtype, seed=1)
+    weight = dequantize_rows(qweight, qtype, k).double()
+    generator = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(m, k, generator=generator), torch.randn(n, generator=generator)
+    assert KERNEL.kernel_path(int(qtype), activations, m) == "dequantize + gemm"
+    got = product(x, qweight, qtype, activations, bias).double()
+    expected = x.double() @ weight.T + bias.double()
+    magnitude = x.double().abs() @ weight.abs().T + bias.abs().double()
+    assert ((got - expected).abs() <= (k + 1) * 2**-24 * magnitude).all()
