@@ -16,8 +16,10 @@ float copy. How the activations meet it is the caller's choice (``activations``)
   models, whose logprobs move by up to 0.06 with it).
 
 The quantised forms exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on a CPU with AVX-512
-VNNI; other types and CPUs take the float path (``kernel_path(type, activations)`` says
-which runs, and it is logged once per type). The reference dequantises the block rows in
+VNNI; other types and CPUs take the float path. From 32 rows of x on, every type and mode
+dequantises panels of weight rows to float32 and multiplies them by torch's GEMM instead (faster
+there, and the exact float product). ``kernel_path(type, activations, rows)`` says which loop
+runs; it is logged once per type. The reference dequantises the block rows in
 torch (:func:`~tokenmill_quant_gguf.blocks.dequantize_rows`) and multiplies by the float
 matrix: it runs on every device, and is what the kernel is tested against.
 
