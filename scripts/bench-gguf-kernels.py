@@ -4,8 +4,9 @@
 One ``x[M, K] @ W[N, K].T`` per type, at M = 1 (decode) and M = 64 (a prefill chunk or a
 batch), for a square 2048 x 2048 weight and SmolLM2's ``down_proj`` (N = 576, K = 1536).
 ``gguf_matmul`` runs the path the build CPU gets (``kernel_path``), ``gguf_matmul_portable``
-the portable loop every type keeps as its reference and fallback; a float32 ``F.linear`` on
-the dequantised weight is the yardstick. The two kernel paths are timed in alternation, each
+the portable loop every type keeps as its reference and fallback, the op with quantised
+activations (``q8x3``, ``q8x2``, ``q8``: integer dot products, AVX-512 VNNI) where the type has that
+path; a float32 ``F.linear`` on the dequantised weight is the yardstick. The two kernel paths are timed in alternation, each
 sample the median of a few calls, so a busy machine slows both alike and the ratio (the
 column worth reading on a shared machine) holds better than the absolute times.
 
@@ -71,11 +72,22 @@ def alternate(fast: Callable[..., torch.Tensor], slow: Callable[..., torch.Tenso
     return min(fast_times), min(slow_times)
 
 
+def quantised(kernel: object, case: tuple[object, ...], activations: str, args: argparse.Namespace) -> str:
+    """Milliseconds of the op with quantised activations (the best of `rounds` samples), "-" where
+    the type has no such path here."""
+    if kernel.kernel_path(case[2], activations) != "avx512_vnni":  # type: ignore[attr-defined]
+        return "-"
+    op = torch.ops.tokenmill_gguf.matmul
+    best = min(sample(lambda *a: op(*a, None, activations), case, args.calls) for _ in range(args.rounds))
+    return f"{best * 1e3:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5, help="alternating samples per path")
     parser.add_argument("--calls", type=int, default=5, help="calls per sample")
+    parser.add_argument("--rows", default="1,64", help="comma separated row counts M of x")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernel = load_cpu_kernel()
@@ -84,12 +96,12 @@ def main() -> None:
     print(f"kernel: {kernel.isa()}; {args.threads} thread(s); median of {args.calls} calls, "
           f"min over {args.rounds} alternating rounds")
     print(f"{'shape':>22} {'type':>5} {'M':>3} {'path':>7} {'vectorised ms':>13} {'portable ms':>11} "
-          f"{'speed-up':>8} {'f32 linear ms':>13}")
+          f"{'speed-up':>8} {'q8x3 ms':>8} {'q8x2 ms':>8} {'q8 ms':>8} {'f32 linear ms':>13}")
     for label, (n, k) in SHAPES.items():
         for qtype in sorted(KEPT_QUANTIZED, key=int):
             qweight = random_blocks(n, k, qtype)
             weight = dequantize_rows(qweight, qtype, k)
-            for m in (1, 64):
+            for m in (int(rows) for rows in args.rows.split(",")):
                 x = torch.randn(m, k)
                 fast = kernel.gguf_matmul(x, qweight, int(qtype), k)
                 slow = kernel.gguf_matmul_portable(x, qweight, int(qtype), k)
@@ -97,8 +109,9 @@ def main() -> None:
                 case = (x, qweight, int(qtype), k)
                 v, p = alternate(kernel.gguf_matmul, kernel.gguf_matmul_portable, case, args.rounds, args.calls)
                 dense = sample(F.linear, (x, weight), args.calls)
+                q8x3, q8x2, q8 = (quantised(kernel, case, activations, args) for activations in ("q8x3", "q8x2", "q8"))
                 print(f"{label:>22} {qtype.name:>5} {m:>3} {kernel.kernel_path(int(qtype)):>7} {v * 1e3:>13.3f} "
-                      f"{p * 1e3:>11.3f} {p / v:>7.2f}x {dense * 1e3:>13.3f}")
+                      f"{p * 1e3:>11.3f} {p / v:>7.2f}x {q8x3:>8} {q8x2:>8} {q8:>8} {dense * 1e3:>13.3f}")
 
 
 if __name__ == "__main__":

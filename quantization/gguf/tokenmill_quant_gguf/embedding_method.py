@@ -19,14 +19,16 @@ from torch import nn
 
 from tokenmill.layers import Linear, VocabEmbedding, layer_ops
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows, row_bytes
-from tokenmill_quant_gguf.kernels import gguf_linear
+from tokenmill_quant_gguf.kernels import Activations, gguf_linear
 
 
 class GGUFEmbeddingMethod:
-    """One embedding table's GGUF blocks (``dequantize``: always a float table)."""
+    """One embedding table's GGUF blocks (``dequantize``: always a float table; ``activations``: how
+    a tied lm_head's input meets them, as :class:`~tokenmill_quant_gguf.linear_method.GGUFLinearMethod`'s)."""
 
-    def __init__(self, dequantize: bool = False) -> None:
+    def __init__(self, dequantize: bool = False, activations: Activations = "q8x3") -> None:
         self.dequantize = dequantize
+        self.activations: Activations = activations
         self.qtype: GGMLQuantizationType | None = None  # set when the table keeps its blocks
         self._type: GGMLQuantizationType | None = None
         self._rows: torch.Tensor | None = None
@@ -107,7 +109,8 @@ class TiedGGUFHeadMethod:
         if qtype is None:
             return layer_ops(x.device).linear(x, cast(torch.Tensor, table.weight), None,
                                               cast(torch.Tensor | None, table.prepared_weight))
-        return gguf_linear(x, cast(torch.Tensor, table.qweight), qtype, table.embedding_dim)
+        return gguf_linear(x, cast(torch.Tensor, table.qweight), qtype, table.embedding_dim,
+                           activations=self._table_method.activations)
 
 
 def _bound(layer: VocabEmbedding, load):  # type: ignore[no-untyped-def]

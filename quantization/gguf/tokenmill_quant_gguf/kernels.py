@@ -1,17 +1,38 @@
 """``x @ W.T`` with ``W`` still in GGUF blocks: the CPU kernel, or the torch reference.
 
-The CPU kernel (:mod:`tokenmill_quant_gguf.cpu_kernel`, C++ built on first use)
-dequantises each block in registers inside the dot products, so a decode step reads
-the weight's 4.5 to 8.5 bits per value once and never writes a float copy. The
-reference dequantises the block rows in torch (:func:`~tokenmill_quant_gguf.blocks.dequantize_rows`)
-and multiplies by the float matrix: it runs on every device, and is what the kernel
-is tested against. Which one a device gets is logged once.
+The CPU kernel (:mod:`tokenmill_quant_gguf.cpu_kernel`, C++ built on first use) reads
+the weight in its blocks, 4.5 to 8.5 bits per value, once per call and never writes a
+float copy. How the activations meet it is the caller's choice (``activations``):
+
+- ``"float32"``: as they are; each block is dequantised in registers into float32
+  multiply-adds (the result is the dequantised float product up to summation order);
+- ``"q8"``: quantised first, once per call, to 8-bit blocks of 32 with a float scale each
+  (llama.cpp's Q8_0 of the activations), then integer dot products (AVX-512 VNNI) with
+  the weights' quants, scaled per block: llama.cpp's numerics and speed;
+- ``"q8x2"``, ``"q8x3"``: as ``"q8"`` plus a second (and third) 8-bit plane for the
+  previous one's rounding error, about 15 (22) bits a value at one more integer product a
+  plane; ``"q8x3"`` is what the GGUF linear method uses: within the float path's tolerance
+  of transformers on the dequantised weights (``"q8x2"`` is not, on the tests' random tiny
+  models, whose logprobs move by up to 0.06 with it).
+
+The quantised forms exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on a CPU with AVX-512
+VNNI; other types and CPUs take the float path. From 32 rows of x on, every type and mode
+dequantises panels of weight rows to float32 and multiplies them by torch's GEMM instead (faster
+there, and the exact float product). ``kernel_path(type, activations, rows)`` says which loop
+runs; it is logged once per type. The reference dequantises the block rows in
+torch (:func:`~tokenmill_quant_gguf.blocks.dequantize_rows`) and multiplies by the float
+matrix: it runs on every device, and is what the kernel is tested against.
+
+The kernel is the torch op ``tokenmill_gguf::matmul`` (registered from C++ with an
+``.out`` overload), called through ``torch.ops``: torch function modes see it, and the
+CPU platform's step-graph capture can record it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +41,7 @@ from gguf import GGMLQuantizationType
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows
 
 logger = logging.getLogger(__name__)
+Activations = Literal["float32", "q8", "q8x2", "q8x3"]
 
 
 def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
@@ -31,40 +53,53 @@ def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQua
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequantize(qweight).T + bias`` for ``x`` ``[..., in_features]``, by the fastest path here."""
+                bias: torch.Tensor | None = None, activations: Activations = "float32") -> torch.Tensor:
+    """``x @ dequantize(qweight).T + bias`` for ``x`` ``[..., in_features]``, by the fastest path here
+    for ``activations`` (the torch reference, where no kernel runs, is float32 whatever they say)."""
     kernel = _cpu_kernel() if x.device.type == "cpu" and qtype in KEPT_QUANTIZED else None
     if kernel is None:
         _chosen(x.device.type, "the torch reference (dequantise the rows, then matmul)")
         return gguf_linear_reference(x, qweight, qtype, in_features, bias)
     _chosen(x.device.type, f"the C++ kernel ({kernel.isa()})")
-    flat = x.reshape(-1, in_features).float().contiguous()
-    out = torch.ops.tokenmill_gguf.matmul(flat, qweight, int(qtype), in_features)
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+    _chosen_path(kernel, qtype, activations)
+    # Only what is needed: in a float32 model each of these is a no-op left out, so a step
+    # graph's capture meets the op and views alone.
+    flat = x.reshape(-1, in_features)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    out = torch.ops.tokenmill_gguf.matmul(flat, qweight, int(qtype), in_features, bias, activations)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
 
 
 @functools.cache
 def _cpu_kernel():  # type: ignore[no-untyped-def]  # a compiled module
-    """The compiled kernel, its matmul registered as the torch op ``tokenmill_gguf::matmul``.
-
-    Called through torch's dispatcher, the kernel is seen by torch function modes: the
-    CPU platform's step-graph capture, which replays only the calls it records, meets
-    an op it does not know and runs those steps eagerly, instead of replaying a decode
-    step without its matmuls."""
+    """The compiled kernel; loading it registers the torch op ``tokenmill_gguf::matmul``
+    (and its ``.out`` overload), given a fake (shape-only) form here for torch's tracers."""
     from tokenmill_quant_gguf.cpu_kernel import load_cpu_kernel
 
     kernel = load_cpu_kernel()
     if kernel is not None:
-        @torch.library.custom_op("tokenmill_gguf::matmul", mutates_args=(), device_types="cpu")
-        def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-            return kernel.gguf_matmul(x, qweight, qtype, in_features)
-
-        matmul.register_fake(lambda x, qweight, qtype, in_features: x.new_empty(x.shape[0], qweight.shape[0]))
+        torch.library.register_fake("tokenmill_gguf::matmul")(_fake_matmul)
     return kernel
+
+
+def _fake_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+                 bias: torch.Tensor | None = None, activations: str = "float32") -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 @functools.cache
 def _chosen(device: str, path: str) -> None:
     logger.info("GGUF quantized linear layers on %s: %s", device, path)
+
+
+@functools.cache
+def _chosen_path(kernel, qtype: GGMLQuantizationType, activations: str) -> None:  # type: ignore[no-untyped-def]
+    logger.info("GGUF %s layers with %s activations: the %s loop", qtype.name, activations,
+                kernel.kernel_path(int(qtype), activations))

@@ -37,7 +37,7 @@ from torch import nn
 
 from tokenmill.layers import Linear, layer_ops
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, block_geometry, dequantize_rows, row_bytes
-from tokenmill_quant_gguf.kernels import gguf_linear
+from tokenmill_quant_gguf.kernels import Activations, gguf_linear
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,12 @@ def block_parts(types: Sequence[GGMLQuantizationType], sizes: Sequence[int], in_
 
 
 class GGUFLinearMethod:
-    """One layer's GGUF weight; ``dequantize``: always dequantise it at load."""
+    """One layer's GGUF weight; ``dequantize``: always dequantise it at load; ``activations``: how
+    its input meets the blocks (:func:`~tokenmill_quant_gguf.kernels.gguf_linear`)."""
 
-    def __init__(self, dequantize: bool = False) -> None:
+    def __init__(self, dequantize: bool = False, activations: Activations = "q8x3") -> None:
         self.dequantize = dequantize
+        self.activations: Activations = activations
         self.parts: tuple[BlockPart, ...] = ()  # set when the layer keeps its blocks
         self._types: dict[int, GGMLQuantizationType] = {}
         self._rows: dict[int, torch.Tensor] = {}
@@ -154,9 +156,9 @@ class GGUFLinearMethod:
                                               cast(torch.Tensor | None, layer.prepared_weight))
         qweight = cast(torch.Tensor, layer.qweight)
         if len(self.parts) == 1:
-            return gguf_linear(x, qweight, self.parts[0].qtype, layer.in_features, bias)
+            return gguf_linear(x, qweight, self.parts[0].qtype, layer.in_features, bias, self.activations)
         return torch.cat([gguf_linear(x, part.rows_of(qweight), part.qtype, layer.in_features,
-                                      None if bias is None else bias.narrow(0, part.first_row, part.rows))
+                                      None if bias is None else bias.narrow(0, part.first_row, part.rows), self.activations)
                           for part in self.parts], dim=-1)
 
 

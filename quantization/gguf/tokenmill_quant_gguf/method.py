@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+from typing import ClassVar, cast, get_args
 
 from torch import nn
 
 from tokenmill.layers import QuantizationConfig
 from tokenmill_quant_gguf.embedding_method import GGUFEmbeddingMethod
+from tokenmill_quant_gguf.kernels import Activations
 from tokenmill_quant_gguf.linear_method import GGUFLinearMethod
+
+ACTIVATIONS_VARIABLE = "TOKENMILL_GGUF_ACTIVATIONS"
 
 
 class GGUFConfig(QuantizationConfig):
@@ -25,11 +29,17 @@ class GGUFConfig(QuantizationConfig):
     name: ClassVar[str] = "gguf"
     dequantize: ClassVar[bool] = False
 
+    def __init__(self, activations: Activations | None = None) -> None:
+        # How the layers' inputs meet the blocks (tokenmill_quant_gguf.kernels): by default three
+        # 8-bit planes through integer dot products, within float tolerance of the float32
+        # product; $TOKENMILL_GGUF_ACTIVATIONS=q8 gives llama.cpp's one plane, float32 the float path.
+        self.activations = activations or activations_from_environment()
+
     def get_linear_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
-        return GGUFLinearMethod(dequantize=self.dequantize)
+        return GGUFLinearMethod(dequantize=self.dequantize, activations=self.activations)
 
     def get_embedding_method(self, layer: nn.Module, prefix: str) -> GGUFEmbeddingMethod:
-        return GGUFEmbeddingMethod(dequantize=self.dequantize)
+        return GGUFEmbeddingMethod(dequantize=self.dequantize, activations=self.activations)
 
 
 class GGUFDequantizedConfig(GGUFConfig):
@@ -38,3 +48,11 @@ class GGUFDequantizedConfig(GGUFConfig):
 
     name: ClassVar[str] = "gguf-dequantized"
     dequantize: ClassVar[bool] = True
+
+
+def activations_from_environment() -> Activations:
+    """``$TOKENMILL_GGUF_ACTIVATIONS`` (``float32``, ``q8``, ``q8x2`` or ``q8x3``), ``q8x3`` where unset."""
+    value = os.environ.get(ACTIVATIONS_VARIABLE, "q8x3")
+    if value not in get_args(Activations):
+        raise ValueError(f"${ACTIVATIONS_VARIABLE} must be one of {', '.join(get_args(Activations))}, not {value!r}")
+    return cast(Activations, value)

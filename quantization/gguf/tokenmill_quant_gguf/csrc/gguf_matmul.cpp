@@ -18,6 +18,12 @@
 // into two float vectors, the 6-bit scales and mins of a super-block once per super-block,
 // and accumulates in float32 FMAs as Q4_0 does, two weight rows at a time so that each load
 // of x feeds both; kernel_path(type) says which path a type takes.
+//
+// The torch op tokenmill_gguf::matmul (and its .out overload) runs this float path, or, asked for
+// quantised activations ("q8", "q8x2"), gguf_q8_matmul.cpp's integer path where the build has it
+// for the type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 with AVX-512 VNNI); kernel_path(type, activations)
+// names the loop. From kGemmRows rows of x on, the op instead dequantises panels of weight rows to
+// float32 and multiplies them by torch's GEMM (every type and mode: the exact float product).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -30,6 +36,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// The quantised-activation path (gguf_q8_matmul.cpp).
+namespace tokenmill_gguf {
+const char* q8_path(int type);
+void q8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_stride, int type,
+               int planes, const float* bias, float* y);
+}  // namespace tokenmill_gguf
 
 namespace {
 
@@ -455,8 +468,7 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
   });
 }
 
-template <bool Portable>
-torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features) {
+void check_operands(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "gguf_matmul: x must be a contiguous float32 [M, K]");
   TORCH_CHECK(x.size(1) == in_features, "gguf_matmul: x has ", x.size(1), " features, the weight ", in_features);
@@ -468,15 +480,30 @@ torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweigh
   const int values = block_values(static_cast<int>(type));
   TORCH_CHECK(in_features % values == 0 && qweight.size(1) == in_features / values * bytes,
               "gguf_matmul: rows of ", qweight.size(1), " bytes do not hold ", in_features, " values of type ", type);
+}
+
+// From this many rows of x on, Q4_0 / Q4_1's float path takes the portable loop: at M = 64 it
+// beats the intrinsics (bench-gguf-kernels.py), whose tiles dequantise a block per weight row
+// and row tile into two vectors only.
+constexpr int64_t kLegacyPortableRows = 16;
+
+// y = x @ W^T with float32 activations (the weights dequantised in registers).
+template <bool Portable>
+void float_matmul(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features, float* yp) {
   const int64_t M = x.size(0), N = qweight.size(0);
-  auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   const int64_t stride = qweight.size(1);
+  const bool portable_rows = M >= kLegacyPortableRows;
   switch (type) {
-    case Q4_0: matmul<Q4_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
-    case Q4_1: matmul<Q4_1, Portable>(xp, M, in_features, wp, N, stride, yp); break;
+    case Q4_0:
+      if (Portable || portable_rows) matmul<Q4_0, true>(xp, M, in_features, wp, N, stride, yp);
+      else matmul<Q4_0, false>(xp, M, in_features, wp, N, stride, yp);
+      break;
+    case Q4_1:
+      if (Portable || portable_rows) matmul<Q4_1, true>(xp, M, in_features, wp, N, stride, yp);
+      else matmul<Q4_1, false>(xp, M, in_features, wp, N, stride, yp);
+      break;
     case Q5_0: matmul<Q5_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
     case Q5_1: matmul<Q5_1, Portable>(xp, M, in_features, wp, N, stride, yp); break;
     case Q4_K: matmul<Q4_K, Portable>(xp, M, in_features, wp, N, stride, yp); break;
@@ -484,28 +511,162 @@ torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweigh
     case Q6_K: matmul<Q6_K, Portable>(xp, M, in_features, wp, N, stride, yp); break;
     default: matmul<Q8_0, Portable>(xp, M, in_features, wp, N, stride, yp); break;
   }
+}
+
+template <bool Portable>
+torch::Tensor gguf_matmul_on(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t in_features) {
+  check_operands(x, qweight, type, in_features);
+  auto y = torch::empty({x.size(0), qweight.size(0)}, x.options());
+  float_matmul<Portable>(x, qweight, type, in_features, y.data_ptr<float>());
   return y;
 }
 
-// "avx512" (intrinsics), "generic C++" (Q4_0 / Q4_1 / Q8_0 without AVX-512) or "portable".
-std::string kernel_path(int64_t type) {
+// From this many rows of x on (prefill chunks, large batches), the op dequantises panels of
+// kPanelRows weight rows into float32 and multiplies each by torch's blocked GEMM: at M = 64 that
+// beats every in-register path by 1.5-4x (bench-gguf-kernels.py), and the product is the
+// dequantised float one.
+constexpr int64_t kGemmRows = 32;
+constexpr int64_t kPanelRows = 256;
+
+template <int Type>
+void dequantize_panel(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t K, float* out) {
+  constexpr int values = block_values(Type);
+  const int bytes = block_bytes(Type);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < K / values; ++b)
+        dequantize_values<Type>(w + r * row_stride + b * bytes, out + r * K + b * values);
+  });
+}
+
+void dequantize_panel_of(int64_t type, const uint8_t* w, int64_t row_stride, int64_t rows, int64_t K, float* out) {
+  switch (type) {
+    case Q4_0: dequantize_panel<Q4_0>(w, row_stride, rows, K, out); break;
+    case Q4_1: dequantize_panel<Q4_1>(w, row_stride, rows, K, out); break;
+    case Q5_0: dequantize_panel<Q5_0>(w, row_stride, rows, K, out); break;
+    case Q5_1: dequantize_panel<Q5_1>(w, row_stride, rows, K, out); break;
+    case Q4_K: dequantize_panel<Q4_K>(w, row_stride, rows, K, out); break;
+    case Q5_K: dequantize_panel<Q5_K>(w, row_stride, rows, K, out); break;
+    case Q6_K: dequantize_panel<Q6_K>(w, row_stride, rows, K, out); break;
+    default: dequantize_panel<Q8_0>(w, row_stride, rows, K, out); break;
+  }
+}
+
+// out = x @ W^T panel by panel: dequantise kPanelRows rows, then at::mm.
+void gemm_matmul(const torch::Tensor& x, const torch::Tensor& qweight, int64_t type, int64_t K, torch::Tensor& out) {
+  const int64_t M = x.size(0), N = qweight.size(0), stride = qweight.size(1);
+  const int64_t panel = std::min(N, kPanelRows);
+  auto weight = torch::empty({panel, K}, x.options());
+  auto part = torch::empty({M, panel}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += panel) {
+    const int64_t rows = std::min(panel, N - n0);
+    auto w = weight.narrow(0, 0, rows);
+    dequantize_panel_of(type, qweight.data_ptr<uint8_t>() + n0 * stride, stride, rows, K, w.data_ptr<float>());
+    if (rows == N) {
+      at::mm_out(out, x, w.t());
+    } else {
+      auto p = part.narrow(1, 0, rows);
+      at::mm_out(p, x, w.t());
+      out.narrow(1, n0, rows).copy_(p);
+    }
+  }
+}
+
+// How the activations enter the product: "float32" as they are (the weights dequantised into
+// float FMAs), "q8" quantised to 8-bit blocks of 32 as llama.cpp does, "q8x2" and "q8x3" with a
+// second and third 8-bit plane for the previous one's rounding error (~15, ~22 bits; see gguf_q8_matmul.cpp).
+int activation_planes(c10::string_view activations) {
+  if (activations == "float32") return 0;
+  if (activations == "q8") return 1;
+  if (activations == "q8x2") return 2;
+  if (activations == "q8x3") return 3;
+  TORCH_CHECK(false, "gguf matmul: activations must be 'float32', 'q8', 'q8x2' or 'q8x3', not '",
+              std::string(activations), "'");
+  return 0;
+}
+
+// Whether this build multiplies `type` with quantised activations (the VNNI path).
+bool takes_q8_path(int64_t type, int planes) {
+  return planes > 0 && tokenmill_gguf::q8_path(static_cast<int>(type)) != nullptr;
+}
+
+// The op's out form: out[M, N] = x @ dequantize(qweight)^T (+ bias), by the path `activations` asks
+// for where this build has it for the type, else by the float path.
+torch::Tensor& matmul_out(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype, int64_t in_features,
+                          const c10::optional<torch::Tensor>& bias, c10::string_view activations, torch::Tensor& out) {
+  check_operands(x, qweight, qtype, in_features);
+  const int64_t M = x.size(0), N = qweight.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == torch::kFloat32 &&
+                  out.is_contiguous(), "gguf matmul: out must be a contiguous float32 [", M, ", ", N, "]");
+  TORCH_CHECK(M == 0 || N == 0 || out.data_ptr() != x.data_ptr(), "gguf matmul: out may not be x");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "gguf matmul: bias must be a contiguous float32 [", N, "]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int planes = activation_planes(activations);
+  if (M >= kGemmRows) {
+    gemm_matmul(x, qweight, qtype, in_features, out);
+    if (bias_ptr != nullptr) out.add_(*bias);
+  } else if (takes_q8_path(qtype, planes)) {
+    tokenmill_gguf::q8_matmul(x.data_ptr<float>(), M, in_features, qweight.data_ptr<uint8_t>(), N, qweight.size(1),
+                              static_cast<int>(qtype), planes, bias_ptr, out.data_ptr<float>());
+  } else {
+    float_matmul<false>(x, qweight, qtype, in_features, out.data_ptr<float>());
+    if (bias_ptr != nullptr) out.add_(*bias);
+  }
+  return out;
+}
+
+torch::Tensor matmul_op(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype, int64_t in_features,
+                        const c10::optional<torch::Tensor>& bias, c10::string_view activations) {
+  check_operands(x, qweight, qtype, in_features);
+  auto out = torch::empty({x.size(0), qweight.size(0)}, x.options());
+  return matmul_out(x, qweight, qtype, in_features, bias, activations, out);
+}
+
+// The loop that multiplies `type` with these activations: "avx512_vnni" (quantised activations,
+// integer dot products), "avx512" (float intrinsics), "generic C++" (Q4_0 / Q4_1 / Q8_0 without
+// AVX-512) or "portable" for `rows` rows of x, or from kGemmRows rows on "dequantize + gemm" (every
+// type and mode). The float path's Q4_0 / Q4_1 take the portable loop from kLegacyPortableRows rows on.
+std::string kernel_path(int64_t type, const std::string& activations, int64_t rows) {
   TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "kernel_path: ggml type ", type, " has no kernel");
+  const int planes = activation_planes(c10::string_view(activations.data(), activations.size()));
+  if (rows >= kGemmRows) return "dequantize + gemm";
+  if (takes_q8_path(type, planes)) return tokenmill_gguf::q8_path(static_cast<int>(type));
   const bool legacy = type == Q4_0 || type == Q4_1 || type == Q8_0;
   if (legacy) return kIsa;
   return kSubBlocksVectorised ? "avx512" : "portable";
 }
 
 std::string isa() {
-  if (kSubBlocksVectorised) return std::string(kIsa) + " for every type";
-  return std::string(kIsa) + " for Q4_0/Q4_1/Q8_0, " + kPortableIsa + " for Q5 and K-quants";
+  const std::string vnni = tokenmill_gguf::q8_path(Q4_0) != nullptr ? "; avx512_vnni for quantised activations" : "";
+  if (kSubBlocksVectorised) return std::string(kIsa) + " for every type" + vnni;
+  return std::string(kIsa) + " for Q4_0/Q4_1/Q8_0, " + kPortableIsa + " for Q5 and K-quants" + vnni;
 }
 
 }  // namespace
 
+// A torch op (torch.ops.tokenmill_gguf.matmul) with an out overload, so that torch function modes
+// see the call and the CPU platform's step-graph capture can record it into a pooled buffer.
+TORCH_LIBRARY(tokenmill_gguf, m) {
+  m.def("matmul(Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias=None, "
+        "str activations='float32') -> Tensor");
+  m.def("matmul.out(Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias=None, "
+        "str activations='float32', *, Tensor(a!) out) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_gguf, CPU, m) {
+  m.impl("matmul", &matmul_op);
+  m.impl("matmul.out", &matmul_out);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &gguf_matmul_on<false>, "x @ dequantize(qweight).T for GGUF block rows (float32)");
+  m.def("gguf_matmul", &gguf_matmul_on<false>, "x @ dequantize(qweight).T for GGUF block rows (float32 activations)");
   m.def("gguf_matmul_portable", &gguf_matmul_on<true>,
         "gguf_matmul by the portable loop for every type (the reference and fallback; tests and benchmarks)");
-  m.def("kernel_path", &kernel_path, "which loop gguf_matmul runs for a ggml type");
-  m.def("isa", &isa, "the instruction set the kernel was built for");
+  m.def("kernel_path", &kernel_path, "which loop multiplies a ggml type with these activations", pybind11::arg("type"),
+        pybind11::arg("activations") = "float32", pybind11::arg("rows") = 1);
+  m.def("isa", &isa, "the instruction sets the kernel was built for");
 }
