@@ -1,0 +1,241 @@
+// The grouped weight-only int linear layer (GPTQ, AWQ, compressed-tensors' pack-quantized) on a
+// CPU with AVX-512: y[M, N] = x[M, K] @ W (+ bias), W[k, n] = scale[g, n] * (q[k, n] - zero[g, n]),
+// g the group of input k, computed from the packed 4- or 8-bit values without ever writing W out.
+//
+// The layout (written once at load by tokenmill/layers/packed_int_cpu.py):
+// - the inputs are reordered so that each group's are contiguous and padded to a multiple of 8
+//   (x_index[p]: the input position p reads, -1 for padding; group_start[g]: group g's first
+//   position, K_p = group_start[G] in all); without act order that is the identity, plus the
+//   padding of a last, partial group;
+// - the outputs are cut into tiles of 16 (one register of float32), the last one padded;
+// - packed: int32 [tiles][K_p / rows][16], rows = 32 / bits: word c of a block holds column c of
+//   the tile for `rows` consecutive positions, the first in the lowest bits (GPTQ's qweight
+//   words, regrouped by tile);
+// - scales float32 [G][tiles * 16], and the zeros as float32 2^23 + zero [G][tiles * 16].
+//
+// A value becomes a float with no conversion instruction: (word >> bits * r) & mask, or-ed
+// into the bits of 2^23, is the float 2^23 + q, and subtracting 2^23 + zero leaves q - zero
+// exactly. For each tile and up to 8 rows of x at a time, a block is loaded once and each of its
+// rows of 16 values multiplied into one accumulator per row of x; at the end of a group the
+// accumulators are scaled and summed. The only rounding is the float32 accumulation: the
+// dequantised weight's product up to summation order. x is read once per call into a reordered
+// float32 copy (from float32, bfloat16 or float16).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOKENMILL_PACKED_INT_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileCols = 16;
+constexpr int64_t kPositionAlign = 8;  // group_start's unit: whole blocks of 4-bit (and 8-bit) values
+constexpr int kMaxRows = 8;            // rows of x sharing one pass over a tile's weights
+
+#if defined(TOKENMILL_PACKED_INT_AVX512)
+
+constexpr int32_t kMagic = 0x4B000000;  // the float 2^23: its low 23 bits hold an integer exactly
+
+struct Operands {
+  const float* x;              // [M, K_p], reordered and padded
+  const int32_t* packed;       // [tiles][K_p / rows][16]
+  const float* scales;         // [G, tiles * 16]
+  const float* zeros;          // [G, tiles * 16], 2^23 + zero
+  const int32_t* group_start;  // [G + 1]
+  const float* bias;           // [N] or nullptr
+  float* y;                    // [M, N]
+  int64_t groups, kp, n, padded_n;
+};
+
+// acc[r] += (value row `Row` of the block - zero) * x[r][k + Row], for the Rows rows of x.
+template <int Bits, int Rows, int Row>
+inline void multiply_row(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k) {
+  const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1), magic = _mm512_set1_epi32(kMagic);
+  const __m512i shifted = Row == 0 ? words : _mm512_srli_epi32(words, Bits * Row);
+  // (shifted & mask) | magic: the float 2^23 + q
+  const __m512 w = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, 0xEA)), zero);
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r][k + Row]), acc[r]);
+}
+
+template <int Bits, int Rows, int... Row>
+inline void multiply_block(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k,
+                           std::integer_sequence<int, Row...>) {
+  (multiply_row<Bits, Rows, Row>(acc, words, zero, x, k), ...);
+}
+
+// y[m0 .. m0 + Rows, the tile's columns) for one tile of 16 outputs.
+template <int Bits, int Rows>
+void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
+  constexpr int rows_per_block = 32 / Bits;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  const float* x[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) x[r] = op.x + (m0 + std::min(r, Rows - 1)) * op.kp;
+  __m512 out[kMaxRows];
+  for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
+    if (k0 == k1) continue;
+    const __m512 zero = _mm512_loadu_ps(op.zeros + g * op.padded_n + tile * kTileCols);
+    __m512 acc[kMaxRows];
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += rows_per_block) {
+      const __m512i words = _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols);
+      multiply_block<Bits, Rows>(acc, words, zero, x, k, std::make_integer_sequence<int, rows_per_block>{});
+    }
+    const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
+    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
+  }
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
+template <int Bits>
+void rows_of_tile(const Operands& op, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile_rows<Bits, 1>(op, tile, m0); break;
+    case 2: tile_rows<Bits, 2>(op, tile, m0); break;
+    case 3: tile_rows<Bits, 3>(op, tile, m0); break;
+    case 4: tile_rows<Bits, 4>(op, tile, m0); break;
+    case 5: tile_rows<Bits, 5>(op, tile, m0); break;
+    case 6: tile_rows<Bits, 6>(op, tile, m0); break;
+    case 7: tile_rows<Bits, 7>(op, tile, m0); break;
+    default: tile_rows<Bits, 8>(op, tile, m0); break;
+  }
+}
+
+template <int Bits>
+void product(const Operands& op, int64_t m) {
+  const int64_t tiles = op.padded_n / kTileCols;
+  // the tiles split over the threads; a tile's weights (K_p * 16 * Bits / 8 bytes) stay in the
+  // cache while every chunk of 8 rows of x passes over them
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) rows_of_tile<Bits>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+  });
+}
+
+// x[m, x_index[p]] (0 where x_index[p] < 0) as float32 into staged[m, p].
+template <typename In>
+void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, float* staged) {
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  const int64_t m = x.size(0), k = x.size(1);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const In* in = xp + row * k;
+      float* out = staged + row * kp;
+      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<float>(in[x_index[p]]) : 0.0f;
+    }
+  });
+}
+
+#endif  // TOKENMILL_PACKED_INT_AVX512
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                    const torch::Tensor& zeros, const torch::Tensor& x_index, const torch::Tensor& group_start,
+                    int64_t bits, int64_t n, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "packed_int_linear: x must be a contiguous CPU [M, K]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+              "packed_int_linear: x must be float32, bfloat16 or float16, not ", dtype);
+  TORCH_CHECK(bits == 4 || bits == 8, "packed_int_linear: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x_index.dim() == 1 && x_index.scalar_type() == torch::kInt32 && x_index.is_contiguous(),
+              "packed_int_linear: x_index must be a contiguous int32 [K_p]");
+  const int64_t kp = x_index.size(0), tiles = (n + kTileCols - 1) / kTileCols;
+  TORCH_CHECK(kp % kPositionAlign == 0, "packed_int_linear: K_p = ", kp, " is not a multiple of ", kPositionAlign);
+  TORCH_CHECK(group_start.dim() == 1 && group_start.scalar_type() == torch::kInt32 && group_start.is_contiguous() &&
+                  group_start.size(0) >= 2, "packed_int_linear: group_start must be a contiguous int32 [G + 1]");
+  const int64_t groups = group_start.size(0) - 1;
+  TORCH_CHECK(packed.scalar_type() == torch::kInt32 && packed.is_contiguous() &&
+                  packed.numel() == tiles * kp * bits * kTileCols / 32,
+              "packed_int_linear: packed must be a contiguous int32 of ", tiles * kp * bits * kTileCols / 32, " words");
+  for (const auto* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == groups && t->size(1) == tiles * kTileCols && t->is_contiguous(),
+                "packed_int_linear: scales and zeros must be contiguous [", groups, ", ", tiles * kTileCols, "]");
+  }
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && zeros.scalar_type() == torch::kFloat32,
+              "packed_int_linear: scales and zeros (2^23 + zero) must be float32");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "packed_int_linear: bias must be a contiguous float32 [N]");
+  }
+}
+
+torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                     const torch::Tensor& zeros, const torch::Tensor& x_index,
+                                     const torch::Tensor& group_start, int64_t bits, int64_t out_features,
+                                     const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  check_operands(x, packed, scales, zeros, x_index, group_start, bits, out_features, bias);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_features &&
+                  out.scalar_type() == x.scalar_type() && out.is_contiguous(),
+              "packed_int_linear: out must be a contiguous [", x.size(0), ", ", out_features, "] of x's dtype");
+#if defined(TOKENMILL_PACKED_INT_AVX512)
+  const int64_t m = x.size(0), kp = x_index.size(0);
+  if (m == 0 || out_features == 0) return out;
+  auto staged = torch::empty({m, kp}, x.options().dtype(torch::kFloat32));
+  const int32_t* index = x_index.data_ptr<int32_t>();
+  switch (x.scalar_type()) {
+    case torch::kFloat32: stage_rows<float>(x, index, kp, staged.data_ptr<float>()); break;
+    case torch::kBFloat16: stage_rows<c10::BFloat16>(x, index, kp, staged.data_ptr<float>()); break;
+    default: stage_rows<c10::Half>(x, index, kp, staged.data_ptr<float>()); break;
+  }
+  const bool in_place = out.scalar_type() == torch::kFloat32;
+  torch::Tensor y = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+  const Operands op{staged.data_ptr<float>(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                    zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                    group_start.size(0) - 1, kp, out_features, scales.size(1)};
+  if (bits == 4) product<4>(op, m); else product<8>(op, m);
+  if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
+#else
+  TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
+#endif
+  return out;
+}
+
+torch::Tensor packed_int_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                const torch::Tensor& zeros, const torch::Tensor& x_index,
+                                const torch::Tensor& group_start, int64_t bits, int64_t out_features,
+                                const c10::optional<torch::Tensor>& bias) {
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  packed_int_linear_out(x, packed, scales, zeros, x_index, group_start, bits, out_features, bias, out);
+  return out;
+}
+
+std::string isa() {
+#if defined(TOKENMILL_PACKED_INT_AVX512)
+  return "avx512";
+#else
+  return "none";
+#endif
+}
+
+}  // namespace
+
+// torch.ops.tokenmill_packed_int.packed_int_linear and its .out overload: the CPU platform's
+// step-graph capture records a call of the functional op as one of .out into a pooled buffer.
+TORCH_LIBRARY(tokenmill_packed_int, m) {
+  m.def("packed_int_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor x_index, "
+        "Tensor group_start, int bits, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_int_linear.out(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor x_index, "
+        "Tensor group_start, int bits, int out_features, Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_packed_int, CPU, m) {
+  m.impl("packed_int_linear", &packed_int_linear);
+  m.impl("packed_int_linear.out", &packed_int_linear_out);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set the kernel was built for ('none': no AVX-512 F/BW/VL)");
+}
