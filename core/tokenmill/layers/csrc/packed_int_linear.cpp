@@ -19,7 +19,9 @@
 // rows of 16 values multiplied into one accumulator per row of x; at the end of a group the
 // accumulators are scaled and summed. The only rounding is the float32 accumulation: the
 // dequantised weight's product up to summation order. x is read once per call into a reordered
-// float32 copy (from float32, bfloat16 or float16).
+// float32 copy (from float32, bfloat16 or float16); bfloat16 x on a CPU with AVX512_BF16 into a
+// bfloat16 copy instead, multiplied by vdpbf16ps on pairs of values (exact in bfloat16 too: small
+// integers), two products an instruction, summed in float32 as the FMAs are.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,11 +30,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENMILL_PACKED_INT_AVX512 1
+#if defined(__AVX512BF16__)
+#define TOKENMILL_PACKED_INT_BF16 1  // bfloat16 x: vdpbf16ps on pairs of inputs
+#endif
 #endif
 
 namespace {
@@ -46,7 +52,7 @@ constexpr int kMaxRows = 8;            // rows of x sharing one pass over a tile
 constexpr int32_t kMagic = 0x4B000000;  // the float 2^23: its low 23 bits hold an integer exactly
 
 struct Operands {
-  const float* x;              // [M, K_p], reordered and padded
+  const void* x;               // [M, K_p], reordered and padded: float32, or bfloat16 (the dot-product form)
   const int32_t* packed;       // [tiles][K_p / rows][16]
   const float* scales;         // [G, tiles * 16]
   const float* zeros;          // [G, tiles * 16], 2^23 + zero
@@ -56,29 +62,59 @@ struct Operands {
   int64_t groups, kp, n, padded_n;
 };
 
-// acc[r] += (value row `Row` of the block - zero) * x[r][k + Row], for the Rows rows of x.
-template <int Bits, int Rows, int Row>
-inline void multiply_row(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k) {
+// Value row `Row` of a block minus the zeros, as 16 float32 (exact small integers).
+template <int Bits, int Row>
+inline __m512 value_row(__m512i words, __m512 zero) {
   const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1), magic = _mm512_set1_epi32(kMagic);
   const __m512i shifted = Row == 0 ? words : _mm512_srli_epi32(words, Bits * Row);
   // (shifted & mask) | magic: the float 2^23 + q
-  const __m512 w = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, 0xEA)), zero);
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, 0xEA)), zero);
+}
+
+// acc[r] += value row `Row` * x[r][k + Row], for the Rows rows of float32 x.
+template <int Bits, int Rows, int Row>
+inline void multiply_row(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k) {
+  const __m512 w = value_row<Bits, Row>(words, zero);
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r][k + Row]), acc[r]);
 }
 
-template <int Bits, int Rows, int... Row>
-inline void multiply_block(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k,
-                           std::integer_sequence<int, Row...>) {
-  (multiply_row<Bits, Rows, Row>(acc, words, zero, x, k), ...);
+#if defined(TOKENMILL_PACKED_INT_BF16)
+// bfloat16 x: value rows 2 Pair and 2 Pair + 1 as bfloat16 pairs (exact: integers below 2^8 in
+// magnitude), one vdpbf16ps per row of x with its pair of inputs: twice the products of an FMA,
+// each exact, summed in float32.
+template <int Bits, int Rows, int Pair>
+inline void multiply_pair(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const uint32_t* const* x, int64_t k) {
+  const __m512i even = _mm512_castps_si512(value_row<Bits, 2 * Pair>(words, zero));
+  const __m512i odd = _mm512_castps_si512(value_row<Bits, 2 * Pair + 1>(words, zero));
+  // the high halves of the floats: the odd row's in the high 16 bits of each word, the even row's below
+  const __m512i pairs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd,
+                                                  _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)), 0xD8);
+  for (int r = 0; r < Rows; ++r)
+    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r][(k >> 1) + Pair])));
+}
+#endif
+
+template <int Bits, int Rows, bool Bf16, typename X, int... Index>
+inline void multiply_block(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const X* const* x, int64_t k,
+                           std::integer_sequence<int, Index...>) {
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  if constexpr (Bf16) {
+    (multiply_pair<Bits, Rows, Index>(acc, words, zero, x, k), ...);
+    return;
+  }
+#endif
+  if constexpr (!Bf16) (multiply_row<Bits, Rows, Index>(acc, words, zero, x, k), ...);
 }
 
 // y[m0 .. m0 + Rows, the tile's columns) for one tile of 16 outputs.
-template <int Bits, int Rows>
+template <int Bits, int Rows, bool Bf16>
 void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
+  using X = std::conditional_t<Bf16, uint32_t, float>;  // bfloat16 x: read by pairs of inputs
   constexpr int rows_per_block = 32 / Bits;
+  constexpr int per_x = Bf16 ? 2 : 1;  // inputs in one X
   const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
-  const float* x[kMaxRows];
-  for (int r = 0; r < kMaxRows; ++r) x[r] = op.x + (m0 + std::min(r, Rows - 1)) * op.kp;
+  const X* x[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) x[r] = static_cast<const X*>(op.x) + (m0 + std::min(r, Rows - 1)) * op.kp / per_x;
   __m512 out[kMaxRows];
   for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < op.groups; ++g) {
@@ -89,7 +125,8 @@ void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
     for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += rows_per_block) {
       const __m512i words = _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols);
-      multiply_block<Bits, Rows>(acc, words, zero, x, k, std::make_integer_sequence<int, rows_per_block>{});
+      multiply_block<Bits, Rows, Bf16>(acc, words, zero, x, k,
+                                       std::make_integer_sequence<int, rows_per_block / per_x>{});
     }
     const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
     for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
@@ -100,41 +137,42 @@ void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
 }
 
-template <int Bits>
+template <int Bits, bool Bf16>
 void rows_of_tile(const Operands& op, int64_t tile, int64_t m0, int64_t rows) {
   switch (rows) {
-    case 1: tile_rows<Bits, 1>(op, tile, m0); break;
-    case 2: tile_rows<Bits, 2>(op, tile, m0); break;
-    case 3: tile_rows<Bits, 3>(op, tile, m0); break;
-    case 4: tile_rows<Bits, 4>(op, tile, m0); break;
-    case 5: tile_rows<Bits, 5>(op, tile, m0); break;
-    case 6: tile_rows<Bits, 6>(op, tile, m0); break;
-    case 7: tile_rows<Bits, 7>(op, tile, m0); break;
-    default: tile_rows<Bits, 8>(op, tile, m0); break;
+    case 1: tile_rows<Bits, 1, Bf16>(op, tile, m0); break;
+    case 2: tile_rows<Bits, 2, Bf16>(op, tile, m0); break;
+    case 3: tile_rows<Bits, 3, Bf16>(op, tile, m0); break;
+    case 4: tile_rows<Bits, 4, Bf16>(op, tile, m0); break;
+    case 5: tile_rows<Bits, 5, Bf16>(op, tile, m0); break;
+    case 6: tile_rows<Bits, 6, Bf16>(op, tile, m0); break;
+    case 7: tile_rows<Bits, 7, Bf16>(op, tile, m0); break;
+    default: tile_rows<Bits, 8, Bf16>(op, tile, m0); break;
   }
 }
 
-template <int Bits>
+template <int Bits, bool Bf16>
 void product(const Operands& op, int64_t m) {
   const int64_t tiles = op.padded_n / kTileCols;
   // the tiles split over the threads; a tile's weights (K_p * 16 * Bits / 8 bytes) stay in the
   // cache while every chunk of 8 rows of x passes over them
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile)
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) rows_of_tile<Bits>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        rows_of_tile<Bits, Bf16>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
   });
 }
 
-// x[m, x_index[p]] (0 where x_index[p] < 0) as float32 into staged[m, p].
-template <typename In>
-void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, float* staged) {
+// x[m, x_index[p]] (0 where x_index[p] < 0) as Out (float32, or bfloat16 from bfloat16) into staged[m, p].
+template <typename In, typename Out>
+void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out* staged) {
   const In* xp = reinterpret_cast<const In*>(x.data_ptr());
   const int64_t m = x.size(0), k = x.size(1);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const In* in = xp + row * k;
-      float* out = staged + row * kp;
-      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<float>(in[x_index[p]]) : 0.0f;
+      Out* out = staged + row * kp;
+      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<Out>(in[x_index[p]]) : Out(0.0f);
     }
   });
 }
@@ -182,20 +220,33 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
 #if defined(TOKENMILL_PACKED_INT_AVX512)
   const int64_t m = x.size(0), kp = x_index.size(0);
   if (m == 0 || out_features == 0) return out;
-  auto staged = torch::empty({m, kp}, x.options().dtype(torch::kFloat32));
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+#else
+  const bool bf16 = false;
+#endif
+  auto staged = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
   const int32_t* index = x_index.data_ptr<int32_t>();
-  switch (x.scalar_type()) {
-    case torch::kFloat32: stage_rows<float>(x, index, kp, staged.data_ptr<float>()); break;
-    case torch::kBFloat16: stage_rows<c10::BFloat16>(x, index, kp, staged.data_ptr<float>()); break;
-    default: stage_rows<c10::Half>(x, index, kp, staged.data_ptr<float>()); break;
+  if (bf16) {
+    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, staged.data_ptr<c10::BFloat16>());
+  } else if (x.scalar_type() == torch::kFloat32) {
+    stage_rows<float, float>(x, index, kp, staged.data_ptr<float>());
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    stage_rows<c10::BFloat16, float>(x, index, kp, staged.data_ptr<float>());
+  } else {
+    stage_rows<c10::Half, float>(x, index, kp, staged.data_ptr<float>());
   }
   const bool in_place = out.scalar_type() == torch::kFloat32;
   torch::Tensor y = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
-  const Operands op{staged.data_ptr<float>(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+  const Operands op{staged.data_ptr(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
                     zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
                     bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                     group_start.size(0) - 1, kp, out_features, scales.size(1)};
-  if (bits == 4) product<4>(op, m); else product<8>(op, m);
+  if (bits == 4) {
+    bf16 ? product<4, true>(op, m) : product<4, false>(op, m);
+  } else {
+    bf16 ? product<8, true>(op, m) : product<8, false>(op, m);
+  }
   if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
 #else
   TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
@@ -213,7 +264,9 @@ torch::Tensor packed_int_linear(const torch::Tensor& x, const torch::Tensor& pac
 }
 
 std::string isa() {
-#if defined(TOKENMILL_PACKED_INT_AVX512)
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  return "avx512_bf16";
+#elif defined(TOKENMILL_PACKED_INT_AVX512)
   return "avx512";
 #else
   return "none";
