@@ -81,15 +81,17 @@ def test_the_kernel_is_the_dequantised_product(bits: int, group_size: int, order
     weights = pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
     weight = dequantize_grouped(q, zeros, scales, g_idx).double()
     for m in (1, 7, 64):
-        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
-        out = cpu_packed_int_linear(x, weights)
-        assert out.shape == (m, N) and out.dtype == torch.float32
-        assert _relative_error(out, x.double() @ weight + bias.double()) <= 1e-5
+        for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, torch.finfo(torch.bfloat16).eps)):
+            x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)  # bfloat16: the pairs form
+            out = cpu_packed_int_linear(x, weights)
+            assert out.shape == (m, N) and out.dtype == dtype
+            assert _relative_error(out, x.double() @ weight + bias.double()) <= bound
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_activations_are_rounded_once(dtype: torch.dtype) -> None:
-    """x is widened to float32 and the float32 result rounded to x's dtype: within one rounding."""
+    """x is read as it is (bfloat16 by pairs of inputs, float16 widened to float32) and the float32
+    result rounded to x's dtype: within one rounding."""
     q, zeros, scales, g_idx = _layer_values(4, 32, "shuffled", False)
     weights = pack_for_cpu(q, zeros, scales, g_idx, 4)
     x = torch.randn(2, 5, K, generator=torch.Generator().manual_seed(3)).to(dtype)
