@@ -21,7 +21,9 @@
 // dequantised weight's product up to summation order. x is read once per call into a reordered
 // float32 copy (from float32, bfloat16 or float16); bfloat16 x on a CPU with AVX512_BF16 into a
 // bfloat16 copy instead, multiplied by vdpbf16ps on pairs of values (exact in bfloat16 too: small
-// integers), two products an instruction, summed in float32 as the FMAs are.
+// integers), two products an instruction, summed in float32 as the FMAs are; from 9 rows of such x
+// on, each tile is dequantised once into bfloat16 pairs that every chunk of 8 rows then reads. Up
+// to 3 rows of x keep 4 / rows independent sums each, so that decode is not one chain of FMAs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -32,6 +34,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -79,31 +82,98 @@ inline void multiply_row(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, co
 }
 
 #if defined(TOKENMILL_PACKED_INT_BF16)
-// bfloat16 x: value rows 2 Pair and 2 Pair + 1 as bfloat16 pairs (exact: integers below 2^8 in
-// magnitude), one vdpbf16ps per row of x with its pair of inputs: twice the products of an FMA,
-// each exact, summed in float32.
-template <int Bits, int Rows, int Pair>
-inline void multiply_pair(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const uint32_t* const* x, int64_t k) {
+// Value rows 2 Pair and 2 Pair + 1 as bfloat16 pairs (exact: integers below 2^8 in magnitude):
+// the high halves of their floats, the odd row's in the high 16 bits of each word.
+template <int Bits, int Pair>
+inline __m512i value_pair(__m512i words, __m512 zero) {
   const __m512i even = _mm512_castps_si512(value_row<Bits, 2 * Pair>(words, zero));
   const __m512i odd = _mm512_castps_si512(value_row<Bits, 2 * Pair + 1>(words, zero));
-  // the high halves of the floats: the odd row's in the high 16 bits of each word, the even row's below
-  const __m512i pairs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd,
-                                                  _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)), 0xD8);
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)),
+                                   0xD8);
+}
+
+// acc[r] += a pair of value rows . x[r]'s pair of inputs: one vdpbf16ps, twice the products of an
+// FMA, each exact, summed in float32.
+template <int Rows>
+inline void multiply_pairs(__m512 (&acc)[kMaxRows], __m512i pairs, const uint32_t* const* x, int64_t j) {
   for (int r = 0; r < Rows; ++r)
-    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r][(k >> 1) + Pair])));
+    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r][j])));
+}
+
+template <int Bits, int Rows, int Pair>
+inline void multiply_pair(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const uint32_t* const* x, int64_t k) {
+  multiply_pairs<Rows>(acc, value_pair<Bits, Pair>(words, zero), x, (k >> 1) + Pair);
+}
+
+template <int Bits, int... Pair>
+inline void store_pairs(__m512i words, __m512 zero, int32_t* out, std::integer_sequence<int, Pair...>) {
+  (_mm512_storeu_si512(out + Pair * kTileCols, value_pair<Bits, Pair>(words, zero)), ...);
+}
+
+// Many rows of bfloat16 x: one tile's values, dequantised once into bfloat16 pairs
+// [K_p / 2][16], then every chunk of 8 rows of x multiplies them (instead of dequantising the
+// tile again for each chunk).
+template <int Bits>
+void dequantise_tile(const Operands& op, int64_t tile, int32_t* pairs) {
+  constexpr int rows_per_block = 32 / Bits;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const __m512 zero = _mm512_loadu_ps(op.zeros + g * op.padded_n + tile * kTileCols);
+    for (int64_t k = op.group_start[g]; k < op.group_start[g + 1]; k += rows_per_block)
+      store_pairs<Bits>(_mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols), zero,
+                        pairs + (k >> 1) * kTileCols, std::make_integer_sequence<int, rows_per_block / 2>{});
+  }
+}
+
+template <int Rows>
+void tile_rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile, int64_t m0) {
+  const uint32_t* x[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) x[r] = static_cast<const uint32_t*>(op.x) + (m0 + std::min(r, Rows - 1)) * op.kp / 2;
+  __m512 out[kMaxRows];
+  for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < op.groups; ++g) {
+    __m512 acc[kMaxRows];
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = op.group_start[g] >> 1; j < op.group_start[g + 1] >> 1; ++j)
+      multiply_pairs<Rows>(acc, _mm512_loadu_si512(pairs + j * kTileCols), x, j);
+    const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
+    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
+  }
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
+void rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile_rows_from_pairs<1>(op, pairs, tile, m0); break;
+    case 2: tile_rows_from_pairs<2>(op, pairs, tile, m0); break;
+    case 3: tile_rows_from_pairs<3>(op, pairs, tile, m0); break;
+    case 4: tile_rows_from_pairs<4>(op, pairs, tile, m0); break;
+    case 5: tile_rows_from_pairs<5>(op, pairs, tile, m0); break;
+    case 6: tile_rows_from_pairs<6>(op, pairs, tile, m0); break;
+    case 7: tile_rows_from_pairs<7>(op, pairs, tile, m0); break;
+    default: tile_rows_from_pairs<8>(op, pairs, tile, m0); break;
+  }
 }
 #endif
 
+// Independent sums a row of x keeps, so that few rows (decode) do not wait on one chain of FMAs.
+constexpr int kChains = 4;
+constexpr int chains_for(int rows) { return rows >= kChains ? 1 : kChains / rows; }
+
 template <int Bits, int Rows, bool Bf16, typename X, int... Index>
-inline void multiply_block(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const X* const* x, int64_t k,
+inline void multiply_block(__m512 (&acc)[kChains][kMaxRows], __m512i words, __m512 zero, const X* const* x, int64_t k,
                            std::integer_sequence<int, Index...>) {
+  constexpr int chains = chains_for(Rows);
 #if defined(TOKENMILL_PACKED_INT_BF16)
   if constexpr (Bf16) {
-    (multiply_pair<Bits, Rows, Index>(acc, words, zero, x, k), ...);
+    (multiply_pair<Bits, Rows, Index>(acc[Index % chains], words, zero, x, k), ...);
     return;
   }
 #endif
-  if constexpr (!Bf16) (multiply_row<Bits, Rows, Index>(acc, words, zero, x, k), ...);
+  if constexpr (!Bf16) (multiply_row<Bits, Rows, Index>(acc[Index % chains], words, zero, x, k), ...);
 }
 
 // y[m0 .. m0 + Rows, the tile's columns) for one tile of 16 outputs.
@@ -121,15 +191,19 @@ void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
     const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
     if (k0 == k1) continue;
     const __m512 zero = _mm512_loadu_ps(op.zeros + g * op.padded_n + tile * kTileCols);
-    __m512 acc[kMaxRows];
-    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    constexpr int chains = chains_for(Rows);
+    __m512 acc[kChains][kMaxRows];
+    for (int c = 0; c < chains; ++c)
+      for (int r = 0; r < Rows; ++r) acc[c][r] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += rows_per_block) {
       const __m512i words = _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols);
       multiply_block<Bits, Rows, Bf16>(acc, words, zero, x, k,
                                        std::make_integer_sequence<int, rows_per_block / per_x>{});
     }
     const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
-    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
+    for (int c = 1; c < chains; ++c)
+      for (int r = 0; r < Rows; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
+    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[0][r], scale, out[r]);
   }
   const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
@@ -157,6 +231,17 @@ void product(const Operands& op, int64_t m) {
   // the tiles split over the threads; a tile's weights (K_p * 16 * Bits / 8 bytes) stay in the
   // cache while every chunk of 8 rows of x passes over them
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+#if defined(TOKENMILL_PACKED_INT_BF16)
+    if (Bf16 && m > kMaxRows) {
+      std::vector<int32_t> pairs(op.kp / 2 * kTileCols);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        dequantise_tile<Bits>(op, tile, pairs.data());
+        for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+          rows_from_pairs(op, pairs.data(), tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+      }
+      return;
+    }
+#endif
     for (int64_t tile = begin; tile < end; ++tile)
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         rows_of_tile<Bits, Bf16>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
