@@ -56,6 +56,13 @@ from tokenmill.layers.packed_int import (
     unpack_rows,
     values_per_word,
 )
+from tokenmill.layers.packed_int_cpu import (
+    CpuPackedInt,
+    cpu_packed_int_linear,
+    cpu_packed_int_weights,
+    pack_for_cpu,
+    packed_int_kernel_runs,
+)
 from tokenmill.layers.pipeline import PipelineStage, left_out_prefixes, make_layers, on_stage
 from tokenmill.layers.quantization import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, get_rotary_embedding, rope_inverse_frequencies
@@ -72,6 +79,12 @@ __all__ = [
     "unpack_columns",
     "unpack_rows",
     "values_per_word",
+    # their CPU kernel (tokenmill.layers.packed_int_cpu)
+    "CpuPackedInt",
+    "cpu_packed_int_linear",
+    "cpu_packed_int_weights",
+    "pack_for_cpu",
+    "packed_int_kernel_runs",
     "Attention",
     "AuxHiddenStateRecorder",
     "Communicator",

@@ -23,8 +23,11 @@ import torch
 from torch import nn
 
 from tokenmill.layers import (
+    CpuPackedInt,
     Linear,
     OutputShardLoader,
+    cpu_packed_int_linear,
+    cpu_packed_int_weights,
     dequantize_grouped,
     dequantized_linear,
     pack_columns,
@@ -44,8 +47,12 @@ def awq_to_natural(packed: torch.Tensor) -> torch.Tensor:
 
 
 class AwqLinearMethod:
+    """On a CPU with AVX-512 the shared packed-int kernel (tokenmill.layers.packed_int_cpu, the weights
+    repacked once at load), elsewhere the torch path: dequantise, then matmul."""
+
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
+        self.cpu_weights: CpuPackedInt | None = None  # the CPU kernel's layout, when it runs
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -75,8 +82,16 @@ class AwqLinearMethod:
         for name in ("qweight", "qzeros"):
             param = cast(torch.Tensor, getattr(layer, name))
             param.data = awq_to_natural(param.data)
+        qweight = cast(torch.Tensor, layer.qweight)
+        if qweight.device.type == "cpu":
+            self.cpu_weights = cpu_packed_int_weights(
+                unpack_columns(qweight, BITS), unpack_columns(cast(torch.Tensor, layer.qzeros), BITS),
+                cast(torch.Tensor, layer.scales), cast(torch.Tensor, layer.g_idx), BITS,
+                cast(torch.Tensor | None, layer.bias), "awq")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_weights is not None:
+            return cpu_packed_int_linear(x, self.cpu_weights)
         weight = dequantize_grouped(unpack_columns(cast(torch.Tensor, layer.qweight), BITS),
                                     unpack_columns(cast(torch.Tensor, layer.qzeros), BITS),
                                     cast(torch.Tensor, layer.scales), cast(torch.Tensor, layer.g_idx), x.dtype)

@@ -26,8 +26,11 @@ import torch
 from torch import nn
 
 from tokenmill.layers import (
+    CpuPackedInt,
     Linear,
     OutputShardLoader,
+    cpu_packed_int_linear,
+    cpu_packed_int_weights,
     dequantize_grouped,
     dequantized_linear,
     unpack_columns,
@@ -36,8 +39,12 @@ from tokenmill.layers import (
 
 
 class PackedIntLinearMethod:
+    """On a CPU with AVX-512 the shared packed-int kernel (tokenmill.layers.packed_int_cpu, the weights
+    repacked once at load), elsewhere the torch path: dequantise, then matmul."""
+
     def __init__(self, bits: int, group_size: int | None, symmetric: bool) -> None:
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        self.cpu_weights: CpuPackedInt | None = None  # the CPU kernel's layout, when it runs
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -71,8 +78,17 @@ class PackedIntLinearMethod:
                 raise ValueError(f"{cast(Linear, layer).prefix}: asymmetric scheme but no weight_zero_point for "
                                  "some output shard")
             layer.register_buffer("zeros", zero_point.t().contiguous(), persistent=False)
+        packed = cast(torch.Tensor, layer.weight_packed)
+        if packed.device.type == "cpu":
+            k = cast(torch.Tensor, layer.g_idx).shape[0]
+            self.cpu_weights = cpu_packed_int_weights(
+                unpack_columns(packed, self.bits)[:, :k].t(), cast(torch.Tensor, layer.zeros),
+                cast(torch.Tensor, layer.weight_scale).t(), cast(torch.Tensor, layer.g_idx), self.bits,
+                cast(torch.Tensor | None, layer.bias), "compressed-tensors pack-quantized")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_weights is not None:
+            return cpu_packed_int_linear(x, self.cpu_weights)
         k = x.shape[-1]
         q = unpack_columns(cast(torch.Tensor, layer.weight_packed), self.bits)[:, :k]
         weight = dequantize_grouped(q.t(), cast(torch.Tensor, layer.zeros), cast(torch.Tensor, layer.weight_scale).t(),

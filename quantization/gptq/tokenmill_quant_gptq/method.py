@@ -27,8 +27,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from tokenmill.layers import Linear, OutputShardLoader
-from tokenmill_quant_gptq.kernels import dequantized_linear, gptq_dequantize, unpack_columns, values_per_word
+from tokenmill.layers import CpuPackedInt, Linear, OutputShardLoader, cpu_packed_int_linear, cpu_packed_int_weights
+from tokenmill_quant_gptq.kernels import (
+    dequantized_linear,
+    gptq_dequantize,
+    unpack_columns,
+    unpack_rows,
+    values_per_word,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +57,14 @@ class GptqScheme:
 
 
 class GptqLinearMethod:
-    """On CUDA with triton, the packed weight dequantised inside a Triton matmul; elsewhere
-    dequantise the whole weight, then one matmul in the activations' dtype (the torch path)."""
+    """On CUDA with triton, the packed weight dequantised inside a Triton matmul; on a CPU with
+    AVX-512 the shared packed-int kernel (tokenmill.layers.packed_int_cpu, the weights repacked once at
+    load); elsewhere dequantise the whole weight, then one matmul in the activations' dtype (the torch path)."""
 
     def __init__(self, scheme: GptqScheme) -> None:
         self.scheme = scheme
         self.kernel = "torch"  # chosen once the weights are on their device
+        self.cpu_weights: CpuPackedInt | None = None  # the CPU kernel's layout, when it runs
 
     def create_weights(self, layer: Linear, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -87,9 +95,17 @@ class GptqLinearMethod:
         if g_idx.min() < 0 or g_idx.max() >= scales.shape[0]:
             raise ValueError(f"{linear.prefix}.g_idx: group indices {int(g_idx.min())}..{int(g_idx.max())} outside "
                              f"the {scales.shape[0]} groups of its scales")
-        self.kernel = choose_packed_int_kernel(zeros.device)
+        if zeros.device.type == "cpu":  # the CPU kernel where it takes the layer (it logs which runs)
+            self.cpu_weights = cpu_packed_int_weights(
+                unpack_rows(cast(torch.Tensor, layer.qweight), self.scheme.bits), zeros, scales, g_idx,
+                self.scheme.bits, cast(torch.Tensor | None, layer.bias), "gptq")
+            self.kernel = "cpu" if self.cpu_weights is not None else "torch"
+        else:
+            self.kernel = choose_packed_int_kernel(zeros.device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_weights is not None:
+            return cpu_packed_int_linear(x, self.cpu_weights)
         if self.kernel == "triton":
             from tokenmill_quant_gptq.triton_kernels import packed_int_linear_triton
 

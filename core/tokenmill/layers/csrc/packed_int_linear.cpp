@@ -1,0 +1,379 @@
+// The grouped weight-only int linear layer (GPTQ, AWQ, compressed-tensors' pack-quantized) on a
+// CPU with AVX-512: y[M, N] = x[M, K] @ W (+ bias), W[k, n] = scale[g, n] * (q[k, n] - zero[g, n]),
+// g the group of input k, computed from the packed 4- or 8-bit values without ever writing W out.
+//
+// The layout (written once at load by tokenmill/layers/packed_int_cpu.py):
+// - the inputs are reordered so that each group's are contiguous and padded to a multiple of 8
+//   (x_index[p]: the input position p reads, -1 for padding; group_start[g]: group g's first
+//   position, K_p = group_start[G] in all); without act order that is the identity, plus the
+//   padding of a last, partial group;
+// - the outputs are cut into tiles of 16 (one register of float32), the last one padded;
+// - packed: int32 [tiles][K_p / rows][16], rows = 32 / bits: word c of a block holds column c of
+//   the tile for `rows` consecutive positions, the first in the lowest bits (GPTQ's qweight
+//   words, regrouped by tile);
+// - scales float32 [G][tiles * 16], and the zeros as float32 2^23 + zero [G][tiles * 16].
+//
+// A value becomes a float with no conversion instruction: (word >> bits * r) & mask, or-ed
+// into the bits of 2^23, is the float 2^23 + q, and subtracting 2^23 + zero leaves q - zero
+// exactly. For each tile and up to 8 rows of x at a time, a block is loaded once and each of its
+// rows of 16 values multiplied into one accumulator per row of x; at the end of a group the
+// accumulators are scaled and summed. The only rounding is the float32 accumulation: the
+// dequantised weight's product up to summation order. x is read once per call into a reordered
+// float32 copy (from float32, bfloat16 or float16); bfloat16 x on a CPU with AVX512_BF16 into a
+// bfloat16 copy instead, multiplied by vdpbf16ps on pairs of values (exact in bfloat16 too: small
+// integers), two products an instruction, summed in float32 as the FMAs are; from 9 rows of such x
+// on, each tile is dequantised once into bfloat16 pairs that every chunk of 8 rows then reads. Up
+// to 3 rows of x keep 4 / rows independent sums each, so that decode is not one chain of FMAs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOKENMILL_PACKED_INT_AVX512 1
+#if defined(__AVX512BF16__)
+#define TOKENMILL_PACKED_INT_BF16 1  // bfloat16 x: vdpbf16ps on pairs of inputs
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kTileCols = 16;
+constexpr int64_t kPositionAlign = 8;  // group_start's unit: whole blocks of 4-bit (and 8-bit) values
+constexpr int kMaxRows = 8;            // rows of x sharing one pass over a tile's weights
+
+#if defined(TOKENMILL_PACKED_INT_AVX512)
+
+constexpr int32_t kMagic = 0x4B000000;  // the float 2^23: its low 23 bits hold an integer exactly
+
+struct Operands {
+  const void* x;               // [M, K_p], reordered and padded: float32, or bfloat16 (the dot-product form)
+  const int32_t* packed;       // [tiles][K_p / rows][16]
+  const float* scales;         // [G, tiles * 16]
+  const float* zeros;          // [G, tiles * 16], 2^23 + zero
+  const int32_t* group_start;  // [G + 1]
+  const float* bias;           // [N] or nullptr
+  float* y;                    // [M, N]
+  int64_t groups, kp, n, padded_n;
+};
+
+// Value row `Row` of a block minus the zeros, as 16 float32 (exact small integers).
+template <int Bits, int Row>
+inline __m512 value_row(__m512i words, __m512 zero) {
+  const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1), magic = _mm512_set1_epi32(kMagic);
+  const __m512i shifted = Row == 0 ? words : _mm512_srli_epi32(words, Bits * Row);
+  // (shifted & mask) | magic: the float 2^23 + q
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, 0xEA)), zero);
+}
+
+// acc[r] += value row `Row` * x[r][k + Row], for the Rows rows of float32 x.
+template <int Bits, int Rows, int Row>
+inline void multiply_row(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const float* const* x, int64_t k) {
+  const __m512 w = value_row<Bits, Row>(words, zero);
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r][k + Row]), acc[r]);
+}
+
+#if defined(TOKENMILL_PACKED_INT_BF16)
+// Value rows 2 Pair and 2 Pair + 1 as bfloat16 pairs (exact: integers below 2^8 in magnitude):
+// the high halves of their floats, the odd row's in the high 16 bits of each word.
+template <int Bits, int Pair>
+inline __m512i value_pair(__m512i words, __m512 zero) {
+  const __m512i even = _mm512_castps_si512(value_row<Bits, 2 * Pair>(words, zero));
+  const __m512i odd = _mm512_castps_si512(value_row<Bits, 2 * Pair + 1>(words, zero));
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)),
+                                   0xD8);
+}
+
+// acc[r] += a pair of value rows . x[r]'s pair of inputs: one vdpbf16ps, twice the products of an
+// FMA, each exact, summed in float32.
+template <int Rows>
+inline void multiply_pairs(__m512 (&acc)[kMaxRows], __m512i pairs, const uint32_t* const* x, int64_t j) {
+  for (int r = 0; r < Rows; ++r)
+    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r][j])));
+}
+
+template <int Bits, int Rows, int Pair>
+inline void multiply_pair(__m512 (&acc)[kMaxRows], __m512i words, __m512 zero, const uint32_t* const* x, int64_t k) {
+  multiply_pairs<Rows>(acc, value_pair<Bits, Pair>(words, zero), x, (k >> 1) + Pair);
+}
+
+template <int Bits, int... Pair>
+inline void store_pairs(__m512i words, __m512 zero, int32_t* out, std::integer_sequence<int, Pair...>) {
+  (_mm512_storeu_si512(out + Pair * kTileCols, value_pair<Bits, Pair>(words, zero)), ...);
+}
+
+// Many rows of bfloat16 x: one tile's values, dequantised once into bfloat16 pairs
+// [K_p / 2][16], then every chunk of 8 rows of x multiplies them (instead of dequantising the
+// tile again for each chunk).
+template <int Bits>
+void dequantise_tile(const Operands& op, int64_t tile, int32_t* pairs) {
+  constexpr int rows_per_block = 32 / Bits;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const __m512 zero = _mm512_loadu_ps(op.zeros + g * op.padded_n + tile * kTileCols);
+    for (int64_t k = op.group_start[g]; k < op.group_start[g + 1]; k += rows_per_block)
+      store_pairs<Bits>(_mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols), zero,
+                        pairs + (k >> 1) * kTileCols, std::make_integer_sequence<int, rows_per_block / 2>{});
+  }
+}
+
+template <int Rows>
+void tile_rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile, int64_t m0) {
+  const uint32_t* x[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) x[r] = static_cast<const uint32_t*>(op.x) + (m0 + std::min(r, Rows - 1)) * op.kp / 2;
+  __m512 out[kMaxRows];
+  for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < op.groups; ++g) {
+    __m512 acc[kMaxRows];
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = op.group_start[g] >> 1; j < op.group_start[g + 1] >> 1; ++j)
+      multiply_pairs<Rows>(acc, _mm512_loadu_si512(pairs + j * kTileCols), x, j);
+    const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
+    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
+  }
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
+void rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile_rows_from_pairs<1>(op, pairs, tile, m0); break;
+    case 2: tile_rows_from_pairs<2>(op, pairs, tile, m0); break;
+    case 3: tile_rows_from_pairs<3>(op, pairs, tile, m0); break;
+    case 4: tile_rows_from_pairs<4>(op, pairs, tile, m0); break;
+    case 5: tile_rows_from_pairs<5>(op, pairs, tile, m0); break;
+    case 6: tile_rows_from_pairs<6>(op, pairs, tile, m0); break;
+    case 7: tile_rows_from_pairs<7>(op, pairs, tile, m0); break;
+    default: tile_rows_from_pairs<8>(op, pairs, tile, m0); break;
+  }
+}
+#endif
+
+// Independent sums a row of x keeps, so that few rows (decode) do not wait on one chain of FMAs.
+constexpr int kChains = 4;
+constexpr int chains_for(int rows) { return rows >= kChains ? 1 : kChains / rows; }
+
+template <int Bits, int Rows, bool Bf16, typename X, int... Index>
+inline void multiply_block(__m512 (&acc)[kChains][kMaxRows], __m512i words, __m512 zero, const X* const* x, int64_t k,
+                           std::integer_sequence<int, Index...>) {
+  constexpr int chains = chains_for(Rows);
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  if constexpr (Bf16) {
+    (multiply_pair<Bits, Rows, Index>(acc[Index % chains], words, zero, x, k), ...);
+    return;
+  }
+#endif
+  if constexpr (!Bf16) (multiply_row<Bits, Rows, Index>(acc[Index % chains], words, zero, x, k), ...);
+}
+
+// y[m0 .. m0 + Rows, the tile's columns) for one tile of 16 outputs.
+template <int Bits, int Rows, bool Bf16>
+void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
+  using X = std::conditional_t<Bf16, uint32_t, float>;  // bfloat16 x: read by pairs of inputs
+  constexpr int rows_per_block = 32 / Bits;
+  constexpr int per_x = Bf16 ? 2 : 1;  // inputs in one X
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  const X* x[kMaxRows];
+  for (int r = 0; r < kMaxRows; ++r) x[r] = static_cast<const X*>(op.x) + (m0 + std::min(r, Rows - 1)) * op.kp / per_x;
+  __m512 out[kMaxRows];
+  for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
+    if (k0 == k1) continue;
+    const __m512 zero = _mm512_loadu_ps(op.zeros + g * op.padded_n + tile * kTileCols);
+    constexpr int chains = chains_for(Rows);
+    __m512 acc[kChains][kMaxRows];
+    for (int c = 0; c < chains; ++c)
+      for (int r = 0; r < Rows; ++r) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += rows_per_block) {
+      const __m512i words = _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols);
+      multiply_block<Bits, Rows, Bf16>(acc, words, zero, x, k,
+                                       std::make_integer_sequence<int, rows_per_block / per_x>{});
+    }
+    const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
+    for (int c = 1; c < chains; ++c)
+      for (int r = 0; r < Rows; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
+    for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[0][r], scale, out[r]);
+  }
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
+template <int Bits, bool Bf16>
+void rows_of_tile(const Operands& op, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile_rows<Bits, 1, Bf16>(op, tile, m0); break;
+    case 2: tile_rows<Bits, 2, Bf16>(op, tile, m0); break;
+    case 3: tile_rows<Bits, 3, Bf16>(op, tile, m0); break;
+    case 4: tile_rows<Bits, 4, Bf16>(op, tile, m0); break;
+    case 5: tile_rows<Bits, 5, Bf16>(op, tile, m0); break;
+    case 6: tile_rows<Bits, 6, Bf16>(op, tile, m0); break;
+    case 7: tile_rows<Bits, 7, Bf16>(op, tile, m0); break;
+    default: tile_rows<Bits, 8, Bf16>(op, tile, m0); break;
+  }
+}
+
+template <int Bits, bool Bf16>
+void product(const Operands& op, int64_t m) {
+  const int64_t tiles = op.padded_n / kTileCols;
+  // the tiles split over the threads; a tile's weights (K_p * 16 * Bits / 8 bytes) stay in the
+  // cache while every chunk of 8 rows of x passes over them
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+#if defined(TOKENMILL_PACKED_INT_BF16)
+    if (Bf16 && m > kMaxRows) {
+      std::vector<int32_t> pairs(op.kp / 2 * kTileCols);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        dequantise_tile<Bits>(op, tile, pairs.data());
+        for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+          rows_from_pairs(op, pairs.data(), tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+      }
+      return;
+    }
+#endif
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        rows_of_tile<Bits, Bf16>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+  });
+}
+
+// x[m, x_index[p]] (0 where x_index[p] < 0) as Out (float32, or bfloat16 from bfloat16) into staged[m, p].
+template <typename In, typename Out>
+void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out* staged) {
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  const int64_t m = x.size(0), k = x.size(1);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const In* in = xp + row * k;
+      Out* out = staged + row * kp;
+      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<Out>(in[x_index[p]]) : Out(0.0f);
+    }
+  });
+}
+
+#endif  // TOKENMILL_PACKED_INT_AVX512
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                    const torch::Tensor& zeros, const torch::Tensor& x_index, const torch::Tensor& group_start,
+                    int64_t bits, int64_t n, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "packed_int_linear: x must be a contiguous CPU [M, K]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+              "packed_int_linear: x must be float32, bfloat16 or float16, not ", dtype);
+  TORCH_CHECK(bits == 4 || bits == 8, "packed_int_linear: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x_index.dim() == 1 && x_index.scalar_type() == torch::kInt32 && x_index.is_contiguous(),
+              "packed_int_linear: x_index must be a contiguous int32 [K_p]");
+  const int64_t kp = x_index.size(0), tiles = (n + kTileCols - 1) / kTileCols;
+  TORCH_CHECK(kp % kPositionAlign == 0, "packed_int_linear: K_p = ", kp, " is not a multiple of ", kPositionAlign);
+  TORCH_CHECK(group_start.dim() == 1 && group_start.scalar_type() == torch::kInt32 && group_start.is_contiguous() &&
+                  group_start.size(0) >= 2, "packed_int_linear: group_start must be a contiguous int32 [G + 1]");
+  const int64_t groups = group_start.size(0) - 1;
+  TORCH_CHECK(packed.scalar_type() == torch::kInt32 && packed.is_contiguous() &&
+                  packed.numel() == tiles * kp * bits * kTileCols / 32,
+              "packed_int_linear: packed must be a contiguous int32 of ", tiles * kp * bits * kTileCols / 32, " words");
+  for (const auto* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == groups && t->size(1) == tiles * kTileCols && t->is_contiguous(),
+                "packed_int_linear: scales and zeros must be contiguous [", groups, ", ", tiles * kTileCols, "]");
+  }
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && zeros.scalar_type() == torch::kFloat32,
+              "packed_int_linear: scales and zeros (2^23 + zero) must be float32");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "packed_int_linear: bias must be a contiguous float32 [N]");
+  }
+}
+
+torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                     const torch::Tensor& zeros, const torch::Tensor& x_index,
+                                     const torch::Tensor& group_start, int64_t bits, int64_t out_features,
+                                     const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  check_operands(x, packed, scales, zeros, x_index, group_start, bits, out_features, bias);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_features &&
+                  out.scalar_type() == x.scalar_type() && out.is_contiguous(),
+              "packed_int_linear: out must be a contiguous [", x.size(0), ", ", out_features, "] of x's dtype");
+#if defined(TOKENMILL_PACKED_INT_AVX512)
+  const int64_t m = x.size(0), kp = x_index.size(0);
+  if (m == 0 || out_features == 0) return out;
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+#else
+  const bool bf16 = false;
+#endif
+  auto staged = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const int32_t* index = x_index.data_ptr<int32_t>();
+  if (bf16) {
+    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, staged.data_ptr<c10::BFloat16>());
+  } else if (x.scalar_type() == torch::kFloat32) {
+    stage_rows<float, float>(x, index, kp, staged.data_ptr<float>());
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    stage_rows<c10::BFloat16, float>(x, index, kp, staged.data_ptr<float>());
+  } else {
+    stage_rows<c10::Half, float>(x, index, kp, staged.data_ptr<float>());
+  }
+  const bool in_place = out.scalar_type() == torch::kFloat32;
+  torch::Tensor y = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+  const Operands op{staged.data_ptr(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                    zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                    group_start.size(0) - 1, kp, out_features, scales.size(1)};
+  if (bits == 4) {
+    bf16 ? product<4, true>(op, m) : product<4, false>(op, m);
+  } else {
+    bf16 ? product<8, true>(op, m) : product<8, false>(op, m);
+  }
+  if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
+#else
+  TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
+#endif
+  return out;
+}
+
+torch::Tensor packed_int_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                const torch::Tensor& zeros, const torch::Tensor& x_index,
+                                const torch::Tensor& group_start, int64_t bits, int64_t out_features,
+                                const c10::optional<torch::Tensor>& bias) {
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  packed_int_linear_out(x, packed, scales, zeros, x_index, group_start, bits, out_features, bias, out);
+  return out;
+}
+
+std::string isa() {
+#if defined(TOKENMILL_PACKED_INT_BF16)
+  return "avx512_bf16";
+#elif defined(TOKENMILL_PACKED_INT_AVX512)
+  return "avx512";
+#else
+  return "none";
+#endif
+}
+
+}  // namespace
+
+// torch.ops.tokenmill_packed_int.packed_int_linear and its .out overload: the CPU platform's
+// step-graph capture records a call of the functional op as one of .out into a pooled buffer.
+TORCH_LIBRARY(tokenmill_packed_int, m) {
+  m.def("packed_int_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor x_index, "
+        "Tensor group_start, int bits, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_int_linear.out(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor x_index, "
+        "Tensor group_start, int bits, int out_features, Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_packed_int, CPU, m) {
+  m.impl("packed_int_linear", &packed_int_linear);
+  m.impl("packed_int_linear.out", &packed_int_linear_out);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set the kernel was built for ('none': no AVX-512 F/BW/VL)");
+}

@@ -1,0 +1,167 @@
+"""The packed-int CPU kernel (tokenmill/layers/csrc/packed_int_linear.cpp) against the torch path it replaces.
+
+The reference is the dequantise-then-matmul definition (tokenmill.layers.dequantize_grouped, the
+product in float64). The kernel dequantises the same integers exactly and sums in float32, so
+the bound is the float32 accumulation's: a relative error of 1e-5 (the conformance kits' bound
+for weight-only methods). Shapes: M = 1, 7, 64 (one pass of 8 rows, a partial one, eight
+passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither group size (the
+last group partial, as GPTQ allows) and, for one group over all inputs, not a multiple of the
+kernel's 8-position blocks. Act order: a shuffled g_idx (AutoGPTQ's) and an uneven one (groups
+of any size, each padded on its own). The layer tests check that GPTQ, AWQ and compressed-tensors
+layers take the kernel, loaded from their on-disk tensors by the conformance kit's loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from awq_models import awq_config, dequantize, pack_awq
+from awq_models import quantize as awq_quantize
+from compressed_tensors_models import compress_weight, preset, quantization_config
+from gptq_models import GptqRecipe, gptq_tensors
+from gptq_models import quantize as gptq_quantize
+
+from tokenmill.layers import (
+    cpu_packed_int_linear,
+    cpu_packed_int_weights,
+    dequantize_grouped,
+    pack_for_cpu,
+    packed_int_kernel_runs,
+)
+from tokenmill.testing.quantization import QuantizationConformance, QuantizedWeights, random_weight
+
+
+def _has_avx512() -> bool:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(flag in text for flag in ("avx512f", "avx512bw", "avx512vl"))
+
+
+pytestmark = pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 F/BW/VL on this CPU")
+K, N = 200, 33
+CASES = [  # (bits, group_size, g_idx order, symmetric)
+    (4, 32, "natural", False), (4, 128, "natural", True), (4, -1, "natural", False), (4, 32, "shuffled", False),
+    (4, 32, "uneven", True), (8, 32, "natural", False), (8, -1, "natural", True), (8, 128, "shuffled", False),
+]
+
+
+def _layer_values(bits: int, group_size: int, order: str, symmetric: bool, k: int = K, seed: int = 0) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    size = k if group_size == -1 else group_size
+    groups = -(-k // size)
+    g_idx = (torch.arange(k) // size).to(torch.int32)
+    if order == "shuffled":
+        g_idx = g_idx[torch.randperm(k, generator=generator)]
+    elif order == "uneven":
+        g_idx = torch.randint(0, groups, (k,), generator=generator, dtype=torch.int32)
+    top = 2 ** bits
+    q = torch.randint(0, top, (k, N), generator=generator, dtype=torch.int32)
+    zeros = torch.full((groups, N), top // 2, dtype=torch.int32) if symmetric else \
+        torch.randint(0, top + 1, (groups, N), generator=generator, dtype=torch.int32)  # v1's +1 reaches 2**bits
+    scales = torch.rand(groups, N, generator=generator) / top
+    return q, zeros, scales, g_idx
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.double() - expected).norm() / expected.norm())
+
+
+def test_the_kernel_is_built_where_the_cpu_has_avx512() -> None:
+    assert packed_int_kernel_runs()
+
+
+@pytest.mark.parametrize(("bits", "group_size", "order", "symmetric"), CASES)
+def test_the_kernel_is_the_dequantised_product(bits: int, group_size: int, order: str, symmetric: bool) -> None:
+    q, zeros, scales, g_idx = _layer_values(bits, group_size, order, symmetric)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    weights = pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
+    weight = dequantize_grouped(q, zeros, scales, g_idx).double()
+    for m in (1, 7, 64):
+        for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, torch.finfo(torch.bfloat16).eps)):
+            x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)  # bfloat16: the pairs form
+            out = cpu_packed_int_linear(x, weights)
+            assert out.shape == (m, N) and out.dtype == dtype
+            assert _relative_error(out, x.double() @ weight + bias.double()) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_activations_are_rounded_once(dtype: torch.dtype) -> None:
+    """x is read as it is (bfloat16 by pairs of inputs, float16 widened to float32) and the float32
+    result rounded to x's dtype: within one rounding."""
+    q, zeros, scales, g_idx = _layer_values(4, 32, "shuffled", False)
+    weights = pack_for_cpu(q, zeros, scales, g_idx, 4)
+    x = torch.randn(2, 5, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = cpu_packed_int_linear(x, weights)
+    assert out.shape == (2, 5, N) and out.dtype == dtype
+    expected = x.double() @ dequantize_grouped(q, zeros, scales, g_idx).double()
+    assert _relative_error(out, expected) <= torch.finfo(dtype).eps
+
+
+def test_the_out_overload_writes_into_its_buffer() -> None:
+    """The step graphs' form of the call: ``.out`` into a given buffer, returning it."""
+    q, zeros, scales, g_idx = _layer_values(8, 32, "natural", False)
+    w = pack_for_cpu(q, zeros, scales, g_idx, 8)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
+    out = torch.full((3, N), float("nan"))
+    got = torch.ops.tokenmill_packed_int.packed_int_linear.out(x, w.packed, w.scales, w.zeros, w.x_index,
+                                                               w.group_start, 8, N, None, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, cpu_packed_int_linear(x, w))
+
+
+def test_two_bit_values_stay_on_the_torch_path() -> None:
+    q, zeros, scales, g_idx = _layer_values(4, 32, "natural", False)
+    assert cpu_packed_int_weights(q % 4, zeros % 4, scales, g_idx, 2, None, "test") is None
+
+
+def _kit(method: str, config: dict[str, Any], make: Callable[[torch.Tensor], QuantizedWeights]) -> QuantizationConformance:
+    """The conformance kit's layer builder for one method, its on-disk tensors made by `make`."""
+    def make_weights(self: QuantizationConformance, out_features: int, in_features: int, seed: int) -> QuantizedWeights:
+        return make(random_weight(out_features, in_features, seed))
+    kit = type("Kit", (QuantizationConformance,), {"method": method, "quantization_config": config,
+                                                   "make_weights": make_weights})
+    return kit()  # type: ignore[no-any-return]
+
+
+def _gptq(recipe: GptqRecipe) -> QuantizationConformance:
+    def make(weight: torch.Tensor) -> QuantizedWeights:
+        order = torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(7)) if recipe.desc_act else None
+        layer = gptq_quantize(weight, recipe, order)
+        return QuantizedWeights(gptq_tensors(layer, recipe), layer.dequantized())
+    return _kit("gptq", recipe.config(), make)
+
+
+def _awq(weight: torch.Tensor) -> QuantizedWeights:
+    q, zeros, scales = awq_quantize(weight, 32)
+    return QuantizedWeights({"qweight": pack_awq(q), "qzeros": pack_awq(zeros), "scales": scales},
+                            dequantize(q, zeros, scales, 32))
+
+
+def _compressed_tensors() -> QuantizationConformance:
+    scheme = preset("W4A16_ASYM", group_size=32)
+
+    def make(weight: torch.Tensor) -> QuantizedWeights:
+        return QuantizedWeights(*compress_weight(weight, scheme, "pack-quantized"))
+    return _kit("compressed-tensors", quantization_config(scheme, "pack-quantized"), make)
+
+
+KITS = {"gptq-4bit-act-order": lambda: _gptq(GptqRecipe(desc_act=True)),
+        "gptq-8bit-sym-v2": lambda: _gptq(GptqRecipe(bits=8, sym=True, checkpoint_format="gptq_v2")),
+        "awq": lambda: _kit("awq", awq_config(32), _awq),
+        "compressed-tensors-w4a16-asym": _compressed_tensors}
+
+
+@pytest.mark.parametrize("name", list(KITS))
+def test_each_method_runs_its_layers_on_the_kernel(name: str) -> None:
+    kit = KITS[name]()
+    shards = [kit.make_weights(48, 96, 0), kit.make_weights(40, 96, 1)]  # a merged layer; 88 outputs: 6 tiles
+    bias = torch.randn(88, generator=torch.Generator().manual_seed(2))
+    layer = kit.build_layer(96, shards, torch.float32, bias)
+    assert layer.quant_method.cpu_weights is not None  # type: ignore[union-attr]
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
+    expected = x.double() @ torch.cat([part.dequantized for part in shards]).double().t() + bias.double()
+    assert _relative_error(layer(x), expected) <= 1e-5
