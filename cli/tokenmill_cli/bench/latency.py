@@ -27,8 +27,14 @@ from tokenmill_cli.bench.datasets import BenchRequest, Vocabulary
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import achieved_gbps
-from tokenmill_cli.bench.system import (cpu_json, cpu_kernels_json, measure_read_gbps, memory_json, process_start_time,
-                                        startup_seconds)
+from tokenmill_cli.bench.system import (
+    cpu_json,
+    cpu_kernels_json,
+    measure_read_gbps,
+    memory_json,
+    process_start_time,
+    startup_seconds,
+)
 
 VLLM_PERCENTILES = (10, 25, 50, 75, 90, 99)  # the `percentiles` object `vllm bench latency` writes
 

@@ -33,8 +33,14 @@ from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary
 from tokenmill_cli.bench.roofline import roofline_json, useful_flops
 from tokenmill_cli.bench.stat_loggers import attach_stat_loggers, stat_logging_seconds
 from tokenmill_cli.bench.structured import compare, compile_grammar, constrain, ms_per_output_token
-from tokenmill_cli.bench.system import (cpu_json, cpu_kernels_json, measure_peak_gflops, memory_json, process_start_time,
-                                        startup_seconds)
+from tokenmill_cli.bench.system import (
+    cpu_json,
+    cpu_kernels_json,
+    measure_peak_gflops,
+    memory_json,
+    process_start_time,
+    startup_seconds,
+)
 
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 2
 
