@@ -152,6 +152,6 @@ def cpu_kernels_json() -> dict[str, str | None]:
     engine workers in other processes). Read from the loaded module, never imported here: the
     bench does not depend on the CPU platform."""
     kernels: Any = sys.modules.get("tokenmill_platform_cpu.kernels")
-    load = getattr(kernels, "load_kernels", None)
+    load: Any = getattr(kernels, "load_kernels", None)
     loaded = hasattr(load, "cache_info") and load.cache_info().currsize > 0 and load() is not None
     return {"cpu_kernel_isa": str(kernels.kernel_isa()) if loaded and hasattr(kernels, "kernel_isa") else None}
