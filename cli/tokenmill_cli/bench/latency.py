@@ -27,7 +27,14 @@ from tokenmill_cli.bench.datasets import BenchRequest, Vocabulary
 from tokenmill_cli.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
 from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary_table
 from tokenmill_cli.bench.roofline import achieved_gbps
-from tokenmill_cli.bench.system import cpu_json, measure_read_gbps, memory_json, process_start_time, startup_seconds
+from tokenmill_cli.bench.system import (
+    cpu_json,
+    cpu_kernels_json,
+    measure_read_gbps,
+    memory_json,
+    process_start_time,
+    startup_seconds,
+)
 
 VLLM_PERCENTILES = (10, 25, 50, 75, 90, 99)  # the `percentiles` object `vllm bench latency` writes
 
@@ -87,6 +94,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], opts: LatencyO
                      startup_seconds(first_token, process_start))
     counters = backend.counters().since(before)
     return {**result, **counters.spec_decode_json(engine_kwargs), **counters.communication_json(), **cpu_json(),
+            **cpu_kernels_json(),
             **contention_json(opts.background_load, opts.background_kind, result_figures(result), quiet)}
 
 
@@ -176,6 +184,7 @@ LATENCY_ROWS: list[Row] = [
     ("Start-up to first token (s)", "startup_s", ".2f"),
     ("CPU", "cpu_model", ""),
     ("CPU vector ISA", "cpu_isa", ""),
+    ("CPU kernels built for", "cpu_kernel_isa", ""),
     *CONTENTION_ROWS,
 ]
 

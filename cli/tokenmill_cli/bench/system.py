@@ -144,3 +144,14 @@ def cpu_json(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str | None]:
         pass
     isa = " ".join(name for name in _VECTOR_ISA if name in flags) or None
     return {"cpu_model": model, "cpu_isa": isa}
+
+
+def cpu_kernels_json() -> dict[str, str | None]:
+    """The instruction set the CPU platform's kernels were built for (``TOKENMILL_CPU_ISA``, by
+    default the CPU's own), where this process loaded them; None elsewhere (a GPU platform, or
+    engine workers in other processes). Read from the loaded module, never imported here: the
+    bench does not depend on the CPU platform."""
+    kernels: Any = sys.modules.get("tokenmill_platform_cpu.kernels")
+    load: Any = getattr(kernels, "load_kernels", None)
+    loaded = hasattr(load, "cache_info") and load.cache_info().currsize > 0 and load() is not None
+    return {"cpu_kernel_isa": str(kernels.kernel_isa()) if loaded and hasattr(kernels, "kernel_isa") else None}

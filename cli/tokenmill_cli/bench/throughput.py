@@ -33,7 +33,14 @@ from tokenmill_cli.bench.report import Row, latency_table, print_tables, summary
 from tokenmill_cli.bench.roofline import roofline_json, useful_flops
 from tokenmill_cli.bench.stat_loggers import attach_stat_loggers, stat_logging_seconds
 from tokenmill_cli.bench.structured import compare, compile_grammar, constrain, ms_per_output_token
-from tokenmill_cli.bench.system import cpu_json, measure_peak_gflops, memory_json, process_start_time, startup_seconds
+from tokenmill_cli.bench.system import (
+    cpu_json,
+    cpu_kernels_json,
+    measure_peak_gflops,
+    memory_json,
+    process_start_time,
+    startup_seconds,
+)
 
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 2
 
@@ -123,6 +130,7 @@ def run_throughput(model: str | None, engine_kwargs: dict[str, Any], dataset: Da
         "stat_logging_s": stat_logging_s,
         "stat_logging_fraction": stat_logging_s / duration if stat_logging_s is not None and log_stats else None,
         **cpu_json(),
+        **cpu_kernels_json(),
         **contention_json(opts.background_load, opts.background_kind, result_figures(metrics.as_json()), quiet),
     }
     if backend.weights is not None:
@@ -201,6 +209,7 @@ THROUGHPUT_ROWS: list[Row] = [
     ("Start-up to first token (s)", "startup_s", ".2f"),
     ("CPU", "cpu_model", ""),
     ("CPU vector ISA", "cpu_isa", ""),
+    ("CPU kernels built for", "cpu_kernel_isa", ""),
     *CONTENTION_ROWS,
 ]
 

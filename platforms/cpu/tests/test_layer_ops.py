@@ -70,11 +70,12 @@ def test_rotary_in_place_on_qkv_views(ops, head_size):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)  # v untouched
 
 
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 7, 9, 64, 100, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+# 8 and 11 also give the AVX2 body's 6-row tiles their tails of 2 and 5
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 7, 8, 9, 11, 64, 100, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(384, 256), (1000, 77)])  # (1000, 77): a short last panel, odd K
 def test_packed_linear_matches_a_float64_reference_at_every_row_count(ops, rows, bias, shape):
-    """Rows 4-512 run on the packed panels (whole 8-row tiles and every tail), the rest elsewhere."""
+    """Rows 3-256 run on the packed panels (whole tiles and every tail), the rest elsewhere."""
     torch.manual_seed(3)
     weight = torch.randn(*shape)
     b = torch.randn(shape[0]) if bias else None
@@ -150,7 +151,7 @@ _SMALL_LINEAR_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.f
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7])  # 7: past the kernel (packed panels or torch's matmul)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7])  # 7: past the kernel (packed panels or torch's matmul)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [512, 77])  # 77: not a multiple of the kernel's vector steps
 def test_small_linear_matches_a_wider_reference(ops, dtype, rows, bias, in_features):
@@ -179,6 +180,7 @@ def test_matmul_kernels_have_the_vector_bodies_this_cpu_supports():
                 flags = set(line.split(":", 1)[1].split())
                 break
     dtypes = set(load_kernels().small_linear_dtypes())
-    assert ("float32" in dtypes) == ("avx512f" in flags)
-    assert ("bfloat16" in dtypes) == ("avx512_bf16" in flags)
-    assert load_kernels().packed_linear_available() == ("avx512f" in flags)
+    vector = "avx512f" in flags or {"avx2", "fma"} <= flags  # AVX-512 bodies, else AVX2+FMA ones
+    assert ("float32" in dtypes) == vector
+    assert ("bfloat16" in dtypes) == vector  # AVX512-BF16 dot products, else AVX2 widening loads
+    assert load_kernels().packed_linear_available() == vector

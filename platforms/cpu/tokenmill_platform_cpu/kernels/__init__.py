@@ -28,6 +28,13 @@ against one torch version's C++ ABI (a wheel per torch release), pip's build
 isolation would install a (multi-GB, CUDA) torch just to build it, and a
 distributable build cannot use ``-march=native``; the kernels' AVX-512 bodies would
 need a second AVX2 build and a run-time dispatch, doubling the compile.
+
+The instruction set is chosen at build time, from the CPU the build runs on: each
+vector kernel has an AVX-512 body and an AVX2+FMA body, picked by the compiler's
+``__AVX512F__`` / ``__AVX2__``. ``TOKENMILL_CPU_ISA`` (see :data:`ISA_TARGETS`) builds
+for a lower level than the CPU's own instead, in a build folder of its own: how an
+AVX-512 machine measures what an AVX2-only CPU would run. Asking for a level this CPU
+lacks fails (:class:`UnsupportedKernelIsa`) rather than running torch's ops unasked.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ _SOURCES = [Path(__file__).with_name(name)
                           "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp", "step_graph.cpp", "thread_pool.cpp",
                           "thread_binding.cpp", "lora_delta.cpp",
                           "grouped_moe.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h")]
+_HEADERS = [Path(__file__).with_name(name)
+            for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h", "vector_avx2.h")]
 # -ffast-math for the reassociated (vectorised) reductions, but not its finite-math
 # assumption: error isolation finds a broken request by the NaN or inf in its logits,
 # which every kernel on the way to them must carry through, not fold away (and
@@ -62,6 +70,67 @@ CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffa
 LDFLAGS = ["-fopenmp"]
 _STAGING_MARK = ".building-"
 _CPU_FILE = "cpu-flags"  # in each build: the CPU it was built for
+ISA_VARIABLE = "TOKENMILL_CPU_ISA"
+NATIVE_ISA = "native"
+# TOKENMILL_CPU_ISA's levels: the -march flags that replace -march=native (tuning stays the
+# CPU's own) and the /proc/cpuinfo flags the CPU needs to run that build.
+ISA_TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("-march=x86-64-v3", "-mtune=native"), ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")),
+    "avx512": (("-march=x86-64-v4", "-mtune=native"),
+               ("avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
+                    ("avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16",
+                     "avx512_vnni")),
+}
+
+
+class UnsupportedKernelIsa(RuntimeError):
+    """``TOKENMILL_CPU_ISA`` names no level, or one this CPU cannot run."""
+
+
+def requested_isa() -> str:
+    """``$TOKENMILL_CPU_ISA`` (default ``native``: whatever the build machine's CPU has)."""
+    return os.environ.get(ISA_VARIABLE, "").strip().lower() or NATIVE_ISA
+
+
+def check_isa(isa: str, cpu_flags: str) -> None:
+    """Raise :class:`UnsupportedKernelIsa` unless ``isa`` is a level a CPU with these
+    ``/proc/cpuinfo`` flags runs."""
+    if isa == NATIVE_ISA:
+        return
+    if isa not in ISA_TARGETS:
+        raise UnsupportedKernelIsa(f"{ISA_VARIABLE}={isa!r}: not one of {', '.join([NATIVE_ISA, *ISA_TARGETS])}")
+    have = set(cpu_flags.partition(":")[2].split())
+    missing = [flag for flag in ISA_TARGETS[isa][1] if flag not in have]
+    if missing:
+        raise UnsupportedKernelIsa(f"{ISA_VARIABLE}={isa}: this CPU lacks {' '.join(missing)}; "
+                                   f"unset it to build for the CPU's own instruction set")
+
+
+def native_isa(cpu_flags: str) -> str:
+    """The highest level of :data:`ISA_TARGETS` a CPU with these flags runs (``-march=native``
+    builds for all of its flags; this names which kernel bodies that selects), or ``baseline``."""
+    have = set(cpu_flags.partition(":")[2].split())
+    runnable = [isa for isa, (_, needs) in ISA_TARGETS.items() if all(flag in have for flag in needs)]
+    return runnable[-1] if runnable else "baseline"
+
+
+def kernel_isa() -> str:
+    """The level the kernels are (or will be) built for: ``$TOKENMILL_CPU_ISA`` or, by default,
+    the CPU's own (e.g. ``avx512_bf16 (native)``); what ``tokenmill bench`` reports."""
+    isa = requested_isa()
+    check_isa(isa, _cpu_features())
+    return f"{native_isa(_cpu_features())} ({NATIVE_ISA})" if isa == NATIVE_ISA else isa
+
+
+def compile_flags() -> list[str]:
+    """:data:`CFLAGS` with ``-march=native`` replaced by the requested level's flags."""
+    isa = requested_isa()
+    check_isa(isa, _cpu_features())
+    if isa == NATIVE_ISA:
+        return list(CFLAGS)
+    march = list(ISA_TARGETS[isa][0])
+    return [flag for part in CFLAGS for flag in (march if part == "-march=native" else [part])]
 
 
 def environment_directory() -> Path:
@@ -79,7 +148,7 @@ def build_directory() -> Path:
     key = hashlib.sha1()
     for source in _SOURCES + _HEADERS:
         key.update(str(source).encode() + b"\0" + source.read_bytes() + b"\0")
-    key.update(" ".join(CFLAGS + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
+    key.update(" ".join(compile_flags() + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
     return environment_directory() / key.hexdigest()[:16]
 
 
@@ -89,8 +158,13 @@ def library_path(folder: Path) -> Path:
 
 @functools.cache
 def load_kernels() -> ModuleType | None:
+    """The kernels, built for :func:`kernel_isa`; None where they cannot be built. A
+    ``TOKENMILL_CPU_ISA`` this CPU cannot run raises :class:`UnsupportedKernelIsa`."""
+    isa = kernel_isa()  # raises for a level this CPU lacks: asked for, so not silently replaced
     try:
-        return _load_or_build(build_directory())
+        module = _load_or_build(build_directory())
+        logger.info("CPU kernels built for %s", isa)
+        return module
     except Exception as exc:  # no compiler, no ninja, unsupported flags: run without the kernels
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops and SDPA attention", exc)
         return None
@@ -133,9 +207,9 @@ def _build(folder: Path) -> ModuleType:
     try:
         _seed_from_previous_build(staging, folder.parent)
         with _packaged_ninja_first(folder.parent), build_progress.reported(staging, len(_SOURCES)):
-            module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=CFLAGS,
+            module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=compile_flags(),
                           extra_ldflags=LDFLAGS, build_directory=str(staging), verbose=False)
-        (staging / _CPU_FILE).write_text(_cpu_features())
+        (staging / _CPU_FILE).write_text(_build_target())
         staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
         staging.rename(folder)
         module.__file__ = str(library_path(folder))  # where it now lies (not the temporary name)
@@ -155,9 +229,9 @@ def _remove_abandoned_builds(environment: Path) -> None:
 def _seed_from_previous_build(staging: Path, environment: Path) -> None:
     """Copy the newest complete build's objects and ninja logs (with their times), so
     that ninja recompiles only the sources that changed since. Only a build for this
-    CPU: ninja cannot tell, ``-march=native`` reads the same for every CPU."""
+    CPU and instruction set: ninja cannot tell, ``-march=native`` reads the same for every CPU."""
     builds = [f for f in environment.iterdir()
-              if library_path(f).exists() and _read(f / _CPU_FILE) == _cpu_features()]
+              if library_path(f).exists() and _read(f / _CPU_FILE) == _build_target()]
     if builds:
         newest = max(builds, key=lambda f: library_path(f).stat().st_mtime)
         shutil.copytree(newest, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
@@ -207,3 +281,9 @@ def _cpu_features() -> str:
         import platform
 
         return platform.machine()
+
+
+def _build_target() -> str:
+    """What a build's ``cpu-flags`` file records: the CPU's flags, and the level when it is not the CPU's own."""
+    isa = requested_isa()
+    return _cpu_features() if isa == NATIVE_ISA else f"{ISA_VARIABLE}={isa}\n{_cpu_features()}"

@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "GPT-NeoX rotary embedding of q and k in place (float32 or bfloat16)");
   m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-6 rows (float32 or bfloat16)");
   m.def("small_linear_dtypes", &small_linear_dtypes, "The dtypes small_linear has a vector body for");
-  m.def("packed_linear_available", &packed_linear_available, "Whether packed_linear has its AVX-512 body");
+  m.def("packed_linear_available", &packed_linear_available, "Whether packed_linear has a vector body (AVX-512 or AVX2+FMA)");
   m.def("pack_linear_weight", &pack_linear_weight, "float32 weight [N, K] -> column panels for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32, decode batch sizes)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");

@@ -6,7 +6,9 @@
 // head's scores in one vectorised pass (exp over a whole row, not per key as an
 // online softmax would), then accumulates the value rows weighted by the
 // probabilities, one query head at a time with the accumulator in registers.
-// Head sizes 64 and 128 get AVX-512 bodies; others run portable loops.
+// Head sizes 64 and 128 get AVX-512 bodies (AVX2+FMA ones where the build has
+// no AVX-512: 8 lanes, four query heads per key slice, the values 64 columns at a
+// time so that the sums fit the 16 registers); others run portable loops.
 // float32 and bfloat16 (query, cache and output of one dtype): the arithmetic is
 // float32 either way, bfloat16 rows are widened as they are loaded.
 // The kernel is memory bound: a decode batch reads every cached K/V row once.
@@ -17,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include "thread_pool.h"
+#include "vector_avx2.h"
 
 #include <immintrin.h>
 
@@ -140,6 +143,25 @@ inline void weighted_sum(const Task<T>& t, const float* p, int64_t offset, int64
     return;
   }
 #endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (D != kDynamic && D % 8 == 0) {
+    // 64 columns at a time in 8 registers; a head of 128 walks its rows twice (from cache the second time)
+    constexpr int kColumns = D < 64 ? D : 64;
+    static_assert(D % kColumns == 0, "whole 64-column passes");
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (int c = 0; c < D; c += kColumns) {
+      __m256 acc[kColumns / 8];
+      for (int i = 0; i < kColumns / 8; ++i) acc[i] = _mm256_setzero_ps();
+      for_each_row(t, t.values, offset + c, kColumns, [&](int64_t j, const T* row) {
+        const __m256 w = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < kColumns / 8; ++i)
+          acc[i] = _mm256_fmadd_ps(w, tokenmill::avx2::load8(row + offset + c + 8 * i), acc[i]);
+      });
+      for (int i = 0; i < kColumns / 8; ++i) _mm256_storeu_ps(out + c + 8 * i, _mm256_mul_ps(acc[i], factor));
+    }
+    return;
+  }
+#endif
   std::fill(out, out + d, 0.f);
   for_each_row(t, t.values, offset, d, [&](int64_t j, const T* row) { axpy<D>(p[j], row + offset, out, d); });
   for (int64_t i = 0; i < d; ++i) out[i] *= scale;
@@ -166,6 +188,24 @@ void attend(const Task<T>& t, const float* q, float* out, std::vector<float>& sc
           __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
           for (int i = 1; i < D / 16; ++i) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), key[i], sum);
           s[(first_head + g) * n + j] = _mm512_reduce_add_ps(sum) * t.scale;
+        }
+        continue;
+      }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+      if constexpr (D != kDynamic && D % 8 == 0) {
+        // four query heads at a time: each 8-lane slice of the key is loaded (and widened) once for them
+        for (int64_t g0 = 0; g0 < t.group; g0 += 4) {
+          const int64_t count = std::min<int64_t>(4, t.group - g0);
+          const float* qg = q + (first_head + g0) * d;
+          __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int i = 0; i < D; i += 8) {
+            const __m256 key = tokenmill::avx2::load8(k + i);
+            for (int g = 0; g < 4; ++g)
+              if (g < count) sum[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * d + i), key, sum[g]);
+          }
+          for (int g = 0; g < count; ++g)
+            s[(first_head + g0 + g) * n + j] = tokenmill::avx2::reduce_add8(sum[g]) * t.scale;
         }
         continue;
       }

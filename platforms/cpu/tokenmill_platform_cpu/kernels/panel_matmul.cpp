@@ -16,7 +16,10 @@
 // stays in L2 while every tile of x passes over it, and each tile prefetches its
 // share of the next panel's rows, spread over its k steps, so that the panel is
 // in L2 when its turn comes. Threads take contiguous ranges of panels.
-// Without AVX-512 (packed_linear_available() false) the platform keeps torch's
+// With AVX2 and FMA only (16 ymm registers of 8 floats), panels are 16 outputs
+// wide (one cache line per k, two ymm vectors) and a micro-tile is 6 rows x 16
+// outputs: 12 registers of sums, two of weights, one broadcast.
+// Without either (packed_linear_available() false) the platform keeps torch's
 // matmul; the scalar loop here only keeps the kernel correct.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,8 +32,13 @@
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int64_t kPanel = 32;  // outputs per panel
 constexpr int kTileRows = 8;    // rows of x per micro-tile
+#else
+constexpr int64_t kPanel = 16;  // AVX2: two ymm vectors per k
+constexpr int kTileRows = 6;    // 6 x 2 vectors of sums: 12 of the 16 ymm registers
+#endif
 
 struct Panel {
   const float* weights;  // [K, kPanel]
@@ -87,6 +95,60 @@ void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n
     kTiles[rows](x + r * p.k, p, out + r * n, n, prefetch, prefetch_end, every);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// As the AVX-512 tile, 16 outputs (one cache line of weights per k step) for R <= 6 rows.
+template <int R>
+void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const float* prefetch,
+          const float* prefetch_end, int64_t every) {
+  // Every loop over r unrolled, so that GCC keeps the sums in registers: a loop it does not
+  // unroll (a memset, the epilogue's column loops) indexes them, which puts them in memory,
+  // stored back on every k step (then 1.5-2x slower than torch's matmul).
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm256_setzero_ps();
+    hi[r] = _mm256_setzero_ps();
+  }
+  int64_t countdown = 0;
+  for (int64_t i = 0; i < p.k; ++i) {
+    if (prefetch < prefetch_end && --countdown <= 0) {
+      countdown = every;
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
+      prefetch += kPanel;
+    }
+    const __m256 w_lo = _mm256_loadu_ps(p.weights + i * kPanel);
+    const __m256 w_hi = _mm256_loadu_ps(p.weights + i * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * p.k + i);
+      lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
+    }
+  }
+  alignas(32) float rows[R][kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(rows[r], lo[r]);
+    _mm256_store_ps(rows[r] + 8, hi[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < p.columns; ++j) out[r * out_stride + j] = rows[r][j] + (p.bias != nullptr ? p.bias[j] : 0.f);
+}
+
+using TileFn = void (*)(const float*, const Panel&, float*, int64_t, const float*, const float*, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// the AVX-512 panel_rows, over 6-row tiles
+void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t share = (p.k + tiles - 1) / tiles;  // next-panel rows each tile prefetches
+  const int64_t every = std::max<int64_t>(1, p.k / std::max<int64_t>(1, share));
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r = t * kTileRows, rows = std::min<int64_t>(kTileRows, m - r);
+    const float* prefetch = p.next != nullptr ? p.next + std::min(p.k, t * share) * kPanel : nullptr;
+    const float* prefetch_end = p.next != nullptr ? p.next + std::min(p.k, (t + 1) * share) * kPanel : nullptr;
+    kTiles[rows](x + r * p.k, p, out + r * n, n, prefetch, prefetch_end, every);
+  }
+}
 #else
 void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
   for (int64_t r = 0; r < m; ++r)
@@ -101,14 +163,14 @@ void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n
 }  // namespace
 
 bool packed_linear_available() {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
 #endif
 }
 
-// weight [N, K] float32 -> panels [ceil(N / 32), K, 32]
+// weight [N, K] float32 -> panels [ceil(N / kPanel), K, kPanel] (kPanel: 32 with AVX-512, else 16)
 at::Tensor pack_linear_weight(at::Tensor weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_linear_weight: float32 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
@@ -118,7 +180,7 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
   float* dst = out.data_ptr<float>();
   tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      // written in order, read from the panel's 32 rows side by side (their lines stay in L1)
+      // written in order, read from the panel's kPanel rows side by side (their lines stay in L1)
       const int64_t columns = std::min(kPanel, n - p * kPanel);
       float* out_row = dst + p * k * kPanel;
       const float* rows = src + p * kPanel * k;
@@ -137,7 +199,7 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
-              "packed_linear: x [M, K] and panels [P, K, 32]");
+              "packed_linear: x [M, K] and panels [P, K, ", kPanel, "]");
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
               "packed_linear: n does not match the panels");
 }

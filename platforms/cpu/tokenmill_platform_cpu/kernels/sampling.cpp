@@ -7,10 +7,13 @@
 // degree-6 polynomial, ~2 ulp): glibc's vector expf, which the portable loop
 // compiles to, made the kernel 5x slower per element than torch's exp (a
 // 64 x 32,000 draw: 1.64 ms, against 0.31 ms for torch.exp over the same logits).
+// With AVX2 and FMA only, the same exponential on 8 lanes (2^n built in the
+// exponent bits: AVX2 has no scalef).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "thread_pool.h"
+#include "vector_avx2.h"
 
 #include <immintrin.h>
 
@@ -70,6 +73,56 @@ inline float chunk_probs(const float* x, int64_t begin, int64_t end, float m, fl
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp16's 8-lane twin; 2^n from its exponent bits, in range wherever x >= -87 (n >= -126)
+inline __m256 exp8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);  // e^r on [-ln2/2, ln2/2]
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);  // NaN lanes stay NaN
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+// (x[i] - m) * inv_t for i in [begin, end), end - begin <= 8; lanes past end -inf (e^ of them: 0)
+inline __m256 scaled_logits8(const float* x, int64_t begin, int64_t end, __m256 m, __m256 inv_t) {
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(8, end - begin))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                    _mm256_maskload_ps(x + begin, lanes), _mm256_castsi256_ps(lanes));
+  return _mm256_mul_ps(_mm256_sub_ps(v, m), inv_t);
+}
+
+inline float row_max(const float* x, int64_t v) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float out = *std::max_element(lanes, lanes + 8);
+  for (; i < v; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// probs[0:end-begin] = e^((x - m) * inv_t) over [begin, end), end - begin <= kChunk; returns their sum
+inline float chunk_probs(const float* x, int64_t begin, int64_t end, float m, float inv_t, float* probs) {
+  const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(inv_t);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = begin; i < end; i += 8) {
+    const __m256 e = exp8(scaled_logits8(x, i, std::min(end, i + 8), mv, tv));
+    if (probs != nullptr) _mm256_storeu_ps(probs + (i - begin), e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return tokenmill::avx2::reduce_add8(sum);
 }
 #else
 inline float row_max(const float* x, int64_t v) {

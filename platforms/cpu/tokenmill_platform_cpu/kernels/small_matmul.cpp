@@ -13,7 +13,10 @@
 //    DRAM: ~22 -> ~24 GB/s; torch reads them at ~14); several rows side by side
 //    did as well at one row of x but worse at three.
 // Vector bodies: AVX-512F for float32, AVX512-BF16 dot products for bfloat16
-// (vdpbf16ps: 32 products per instruction, exact in float32). Without them a
+// (vdpbf16ps: 32 products per instruction, exact in float32). Without them, AVX2
+// and FMA bodies (8 lanes): float32 reads 8 weight rows side by side at one row of
+// x, fewer at more rows (12 accumulators of the 16 ymm registers); bfloat16 widens
+// x to float32 once per call and each weight vector as it is loaded. Without AVX2 a
 // scalar loop stands in (correct, slow): small_linear_dtypes() says which dtypes
 // have a vector body, and the platform keeps torch's matmul for the others.
 // The platform sends float32 here up to two rows (from three on, the packed-panel
@@ -24,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include "thread_pool.h"
+#include "vector_avx2.h"
 
 #include <immintrin.h>
 
@@ -43,7 +47,7 @@ template <typename T>
 constexpr int64_t kPrefetchRows = std::is_same_v<T, float> ? 0 : 8;  // how far ahead to prefetch (0: not)
 
 template <typename T>
-constexpr bool has_vector_body() {
+constexpr bool has_avx512_body() {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) return true;
 #endif
@@ -52,6 +56,33 @@ constexpr bool has_vector_body() {
 #endif
   return false;
 }
+
+// AVX2+FMA: where the build has no AVX-512 body for T (an AVX2 CPU; bfloat16 without AVX512-BF16)
+template <typename T>
+constexpr bool has_avx2_body() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return !has_avx512_body<T>();
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+constexpr bool has_vector_body() {
+  return has_avx512_body<T>() || has_avx2_body<T>();
+}
+
+// Weight rows read side by side with M rows of x: the AVX2 float32 body keeps R x M
+// sums in at most 12 of its 16 registers.
+template <typename T, int M>
+constexpr int rows_per_pass() {
+  if constexpr (std::is_same_v<T, float> && has_avx2_body<float>()) return std::max(1, std::min(8, 12 / M));
+  return kRowsPerPass<T>;
+}
+
+// x as the dot products read it: the AVX2 bfloat16 body reads float32 (widened once per call)
+template <typename T>
+using XType = std::conditional_t<std::is_same_v<T, bf16> && has_avx2_body<bf16>(), float, T>;
 
 #ifdef __AVX512F__
 template <typename T>
@@ -77,11 +108,11 @@ inline __m512 multiply_add(__m512 acc, const T* w, const T* x) {
 #endif
 
 // sums[r][m] = W[r] . x[m] for R weight rows starting at w (row stride k)
-template <typename T, int M, int R>
-inline void dot_rows(const T* w, const T* x, int64_t k, float (&sums)[R][M]) {
+template <typename T, typename X, int M, int R>
+inline void dot_rows(const T* w, const X* x, int64_t k, float (&sums)[R][M]) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  if constexpr (has_vector_body<T>()) {
+  if constexpr (has_avx512_body<T>()) {
     __m512 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -90,6 +121,21 @@ inline void dot_rows(const T* w, const T* x, int64_t k, float (&sums)[R][M]) {
         for (int m = 0; m < M; ++m) acc[r][m] = multiply_add(acc[r][m], w + r * k + i, x + m * k + i);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+  } else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (has_avx2_body<T>()) {
+    static_assert(std::is_same_v<X, float>, "the AVX2 body reads x as float32");
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8)
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = tokenmill::avx2::load8(w + r * k + i);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[r][m]);
+      }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) sums[r][m] = tokenmill::avx2::reduce_add8(acc[r][m]);
   } else
 #endif
   {
@@ -103,9 +149,9 @@ inline void dot_rows(const T* w, const T* x, int64_t k, float (&sums)[R][M]) {
 }
 
 template <typename T, int M, int R>
-inline void rows_out(const T* x, const T* weight, const T* bias, T* out, int64_t n, int64_t k, int64_t j) {
+inline void rows_out(const XType<T>* x, const T* weight, const T* bias, T* out, int64_t n, int64_t k, int64_t j) {
   float sums[R][M];
-  dot_rows<T, M, R>(weight + j * k, x, k, sums);
+  dot_rows<T, XType<T>, M, R>(weight + j * k, x, k, sums);
   for (int r = 0; r < R; ++r) {
     const float b = bias != nullptr ? static_cast<float>(bias[j + r]) : 0.f;
     for (int m = 0; m < M; ++m) out[m * n + j + r] = static_cast<T>(sums[r][m] + b);
@@ -113,9 +159,18 @@ inline void rows_out(const T* x, const T* weight, const T* bias, T* out, int64_t
 }
 
 template <typename T, int M>
-void run(const T* x, const T* weight, const T* bias, T* out, int64_t n, int64_t k) {
+void run(const T* x_in, const T* weight, const T* bias, T* out, int64_t n, int64_t k) {
+  std::vector<float> widened;  // the AVX2 bfloat16 body's float32 x
+  const XType<T>* x;
+  if constexpr (std::is_same_v<XType<T>, T>) {
+    x = x_in;
+  } else {
+    widened.resize(M * k);
+    for (int64_t i = 0; i < M * k; ++i) widened[i] = static_cast<float>(x_in[i]);
+    x = widened.data();
+  }
   // ~64 KiB of weights per task: enough to pay for the threads, fine enough to balance them
-  constexpr int rows = kRowsPerPass<T>;
+  constexpr int rows = rows_per_pass<T, M>();
   constexpr int64_t ahead = kPrefetchRows<T>;
   const int64_t grain = std::max<int64_t>(rows, 65536 / sizeof(T) / std::max<int64_t>(1, k));
   tokenmill::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
