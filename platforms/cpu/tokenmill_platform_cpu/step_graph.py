@@ -5,8 +5,8 @@ backend the graph in place of the kernels module, so every kernel call both runs
 and is recorded. Whatever else the forward does goes through torch, and a torch
 call would not be replayed, so a torch function mode watches them all: allocations,
 views (outputs that alias an input) and metadata (shapes, strides) are safe, the
-token embedding, torch's linear (matmuls the kernels do not take) and contiguous
-copies are lowered to graph ops, and so is a call of any registered op
+token embedding, torch's linear (matmuls the kernels do not take), torch.cat and
+contiguous copies are lowered to graph ops, and so is a call of any registered op
 (``torch.ops.<ns>.<name>``: a plugin's C++ kernel) that has an out overload
 ``name.out(..., *, Tensor(a!) out) -> Tensor(a!)``, recorded as a boxed call of that
 overload into a pooled buffer (:mod:`.out_overloads` states the contract). Anything else
@@ -116,6 +116,8 @@ class _TorchCallGuard(TorchFunctionMode):
             return args[0]
         if name in ("contiguous", "clone"):  # clone: always a copy
             return self._recorder.contiguous(args[0])
+        if func is torch.cat and _plain_cat(args, kwargs):
+            return self._recorder.cat(list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
         if _writes(name, kwargs):
             raise StepGraphUnsupported(f"torch call {name} writes a tensor outside the kernels")
         if is_registered_op(func) and (out_op := out_overload(func)) is not None:
@@ -138,6 +140,15 @@ def _plain_embedding(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A row lookup: 1-d ids and no max_norm (which renormalises the table in place)."""
     max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
     return isinstance(args[0], torch.Tensor) and args[0].dim() == 1 and max_norm is None
+
+
+def _plain_cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Tensors of one dtype joined along an int dim, into a new tensor (no ``out``)."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    return (isinstance(tensors, (list, tuple)) and len(tensors) > 0 and isinstance(dim, int)
+            and all(isinstance(t, torch.Tensor) and t.dtype == tensors[0].dtype for t in tensors)
+            and kwargs.get("out") is None)
 
 
 def _writes(name: str, kwargs: dict[str, Any]) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.layers import Linear, VocabEmbedding, layer_ops
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows, row_bytes
-from tokenmill_quant_gguf.kernels import Activations, gguf_linear
+from tokenmill_quant_gguf.kernels import Activations, gguf_embedding, gguf_linear
 
 
 class GGUFEmbeddingMethod:
@@ -75,18 +75,20 @@ class GGUFEmbeddingMethod:
     def embedding(self, layer: VocabEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``input_ids``; over several ranks each looks up the ids in its range
         (zero vectors for the others) and the all-reduce sums them, as the float table does."""
+        if layer.world_size == 1:  # computes nothing but the lookup, so a step graph records it
+            return self._rows_of(layer, input_ids)
         local = input_ids - layer.vocab_start
         inside = (local >= 0) & (local < layer.num_embeddings)
-        ids = torch.where(inside, local, 0) if layer.world_size > 1 else input_ids
-        if self.qtype is None:
-            values = F.embedding(ids, cast(torch.Tensor, layer.weight))
-        else:
-            rows = cast(torch.Tensor, layer.qweight)[ids.reshape(-1)]
-            values = dequantize_rows(rows, self.qtype, layer.embedding_dim).to(self.params_dtype)
-            values = values.reshape(*ids.shape, layer.embedding_dim)
-        if layer.world_size == 1:
-            return values
+        values = self._rows_of(layer, torch.where(inside, local, 0))
         return layer.comm.all_reduce(values * inside.unsqueeze(-1).to(values.dtype))
+
+    def _rows_of(self, layer: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None:
+            return F.embedding(ids, cast(torch.Tensor, layer.weight))
+        values = gguf_embedding(cast(torch.Tensor, layer.qweight), ids.reshape(-1), self.qtype, layer.embedding_dim)
+        if values.dtype != self.params_dtype:
+            values = values.to(self.params_dtype)
+        return values.reshape(*ids.shape, layer.embedding_dim)
 
     def tied_head_method(self, layer: VocabEmbedding) -> TiedGGUFHeadMethod:
         return TiedGGUFHeadMethod(layer, self)

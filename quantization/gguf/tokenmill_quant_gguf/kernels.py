@@ -24,7 +24,8 @@ torch (:func:`~tokenmill_quant_gguf.blocks.dequantize_rows`) and multiplies by t
 matrix: it runs on every device, and is what the kernel is tested against.
 
 The kernel is the torch op ``tokenmill_gguf::matmul`` (registered from C++ with an
-``.out`` overload), called through ``torch.ops``: torch function modes see it, and the
+``.out`` overload), called through ``torch.ops``, beside ``tokenmill_gguf::embedding`` (the
+rows of a table kept in its blocks): torch function modes see it, and the
 CPU platform's step-graph capture can record it.
 """
 
@@ -77,6 +78,15 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
     return out.reshape(*x.shape[:-1], qweight.shape[0])
 
 
+def gguf_embedding(qweight: torch.Tensor, ids: torch.Tensor, qtype: GGMLQuantizationType, dim: int) -> torch.Tensor:
+    """The float32 rows ``[len(ids), dim]`` of the block table ``qweight`` that 1-d ``ids`` name:
+    the CPU kernel's op (which a step graph can record), or the torch reference."""
+    kernel = _cpu_kernel() if qweight.device.type == "cpu" and qtype in KEPT_QUANTIZED else None
+    if kernel is None:
+        return dequantize_rows(qweight[ids], qtype, dim)
+    return torch.ops.tokenmill_gguf.embedding(qweight, ids, int(qtype), dim)
+
+
 @functools.cache
 def _cpu_kernel():  # type: ignore[no-untyped-def]  # a compiled module
     """The compiled kernel; loading it registers the torch op ``tokenmill_gguf::matmul``
@@ -86,12 +96,17 @@ def _cpu_kernel():  # type: ignore[no-untyped-def]  # a compiled module
     kernel = load_cpu_kernel()
     if kernel is not None:
         torch.library.register_fake("tokenmill_gguf::matmul")(_fake_matmul)
+        torch.library.register_fake("tokenmill_gguf::embedding")(_fake_embedding)
     return kernel
 
 
 def _fake_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
                  bias: torch.Tensor | None = None, activations: str = "float32") -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _fake_embedding(qweight: torch.Tensor, ids: torch.Tensor, qtype: int, dim: int) -> torch.Tensor:
+    return qweight.new_empty(ids.shape[0], dim, dtype=torch.float32)
 
 
 @functools.cache

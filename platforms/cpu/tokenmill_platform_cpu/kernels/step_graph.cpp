@@ -165,6 +165,18 @@ class StepGraph {
     return record("linear", [=]() mutable { at::linear_out(out, x, weight, bias); }, out);
   }
 
+  // torch.cat (which the capture lowers to this): the outputs of a merged layer whose parts
+  // multiply differently (GGUF shards of different block types), joined along `dim`.
+  at::Tensor cat(std::vector<at::Tensor> tensors, int64_t dim) {
+    TORCH_CHECK(!tensors.empty(), "cat: no tensors");
+    auto sizes = tensors[0].sizes().vec();
+    const int64_t axis = c10::maybe_wrap_dim(dim, static_cast<int64_t>(sizes.size()));
+    sizes[axis] = 0;
+    for (const auto& t : tensors) sizes[axis] += t.size(axis);
+    auto out = buffer(sizes, tensors[0].options());
+    return record("cat", [=]() mutable { at::cat_out(out, tensors, axis); }, out);
+  }
+
   // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
   at::Tensor contiguous(at::Tensor x) {
     auto out = buffer(x.sizes(), x.options());
@@ -249,6 +261,7 @@ void bind_step_graph(pybind11::module& m) {
       .def("routed_moe", &StepGraph::routed_moe)
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
+      .def("cat", &StepGraph::cat)
       .def("linear", &StepGraph::linear)
       .def("buffer_like", &StepGraph::buffer_like)
       .def("call_out", &StepGraph::call_out)

@@ -626,6 +626,37 @@ torch::Tensor matmul_op(const torch::Tensor& x, const torch::Tensor& qweight, in
   return matmul_out(x, qweight, qtype, in_features, bias, activations, out);
 }
 
+// The embedding lookup on a table kept in its blocks: out[i] = dequantize(qweight[ids[i]]), the
+// rows asked for only. An op of its own (not an index then a dequantise in torch) so that a decode
+// step's capture records the lookup too.
+torch::Tensor& embedding_out(const torch::Tensor& qweight, const torch::Tensor& ids, int64_t qtype, int64_t dim,
+                             torch::Tensor& out) {
+  TORCH_CHECK(block_bytes(static_cast<int>(qtype)) > 0, "gguf embedding: ggml type ", qtype, " has no kernel");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(),
+              "gguf embedding: qweight must be contiguous uint8 [rows, bytes per row]");
+  TORCH_CHECK(dim % block_values(static_cast<int>(qtype)) == 0 &&
+                  qweight.size(1) == dim / block_values(static_cast<int>(qtype)) * block_bytes(static_cast<int>(qtype)),
+              "gguf embedding: ", qweight.size(1), " bytes per row do not hold ", dim, " values of type ", qtype);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "gguf embedding: ids must be 1-d int64");
+  const int64_t T = ids.size(0), rows = qweight.size(0), stride = qweight.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == dim && out.scalar_type() == torch::kFloat32 &&
+                  out.is_contiguous(), "gguf embedding: out must be a contiguous float32 [", T, ", ", dim, "]");
+  auto id = ids.contiguous();
+  const int64_t* id_ptr = id.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(id_ptr[i] >= 0 && id_ptr[i] < rows, "gguf embedding: id ", id_ptr[i], " outside the table's ", rows,
+                " rows");
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  for (int64_t i = 0; i < T; ++i) dequantize_panel_of(qtype, w + id_ptr[i] * stride, stride, 1, dim, y + i * dim);
+  return out;
+}
+
+torch::Tensor embedding_op(const torch::Tensor& qweight, const torch::Tensor& ids, int64_t qtype, int64_t dim) {
+  auto out = torch::empty({ids.size(0), dim}, qweight.options().dtype(torch::kFloat32));
+  return embedding_out(qweight, ids, qtype, dim, out);
+}
+
 // The loop that multiplies `type` with these activations: "avx512_vnni" (quantised activations,
 // integer dot products), "avx512" (float intrinsics), "generic C++" (Q4_0 / Q4_1 / Q8_0 without
 // AVX-512) or "portable" for `rows` rows of x, or from kGemmRows rows on "dequantize + gemm" (every
@@ -648,18 +679,22 @@ std::string isa() {
 
 }  // namespace
 
-// A torch op (torch.ops.tokenmill_gguf.matmul) with an out overload, so that torch function modes
+// Torch ops (torch.ops.tokenmill_gguf.matmul, .embedding), each with an out overload, so that torch function modes
 // see the call and the CPU platform's step-graph capture can record it into a pooled buffer.
 TORCH_LIBRARY(tokenmill_gguf, m) {
   m.def("matmul(Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias=None, "
         "str activations='float32') -> Tensor");
   m.def("matmul.out(Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias=None, "
         "str activations='float32', *, Tensor(a!) out) -> Tensor(a!)");
+  m.def("embedding(Tensor qweight, Tensor ids, int qtype, int dim) -> Tensor");
+  m.def("embedding.out(Tensor qweight, Tensor ids, int qtype, int dim, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_gguf, CPU, m) {
   m.impl("matmul", &matmul_op);
   m.impl("matmul.out", &matmul_out);
+  m.impl("embedding", &embedding_op);
+  m.impl("embedding.out", &embedding_out);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
