@@ -26,7 +26,7 @@ class GGUFEmbeddingMethod:
     """One embedding table's GGUF blocks (``dequantize``: always a float table; ``activations``: how
     a tied lm_head's input meets them, as :class:`~tokenmill_quant_gguf.linear_method.GGUFLinearMethod`'s)."""
 
-    def __init__(self, dequantize: bool = False, activations: Activations = "q8x3") -> None:
+    def __init__(self, dequantize: bool = False, activations: Activations = "auto") -> None:
         self.dequantize = dequantize
         self.activations: Activations = activations
         self.qtype: GGMLQuantizationType | None = None  # set when the table keeps its blocks

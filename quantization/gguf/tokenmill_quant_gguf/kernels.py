@@ -11,9 +11,11 @@ float copy. How the activations meet it is the caller's choice (``activations``)
   the weights' quants, scaled per block: llama.cpp's numerics and speed;
 - ``"q8x2"``, ``"q8x3"``: as ``"q8"`` plus a second (and third) 8-bit plane for the
   previous one's rounding error, about 15 (22) bits a value at one more integer product a
-  plane; ``"q8x3"`` is what the GGUF linear method uses: within the float path's tolerance
+  plane; ``"q8x3"`` is within the float path's tolerance
   of transformers on the dequantised weights (``"q8x2"`` is not, on the tests' random tiny
-  models, whose logprobs move by up to 0.06 with it).
+  models, whose logprobs move by up to 0.06 with it);
+- ``"auto"`` (what the GGUF methods use): ``"q8x3"`` for Q4_0/Q4_1/Q5_0/Q5_1, ``"float32"`` for
+  the rest, whichever was faster at batch 1 (:data:`AUTO_ACTIVATIONS`).
 
 The quantised forms exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on a CPU with AVX-512
 VNNI; other types and CPUs take the float path. From 32 rows of x on, every type and mode
@@ -42,7 +44,20 @@ from gguf import GGMLQuantizationType
 from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, dequantize_rows
 
 logger = logging.getLogger(__name__)
-Activations = Literal["float32", "q8", "q8x2", "q8x3"]
+Activations = Literal["auto", "float32", "q8", "q8x2", "q8x3"]
+# "auto", by block type: what ran fastest at batch 1 on the tiny Llama (quiet, AVX-512 VNNI; bench-quant,
+# TPOT): Q4_0 4.39 ms with "q8x3" against 6.52 with "float32", Q8_0 7.24 with "float32" against 11.40 with
+# "q8x3" (a Q8_0 block is as wide as its three planes, so the float FMAs read the same bytes and skip the
+# quantisation). Both are within the float product's tolerance; types not named take "float32".
+AUTO_ACTIVATIONS: dict[GGMLQuantizationType, Activations] = {
+    GGMLQuantizationType.Q4_0: "q8x3", GGMLQuantizationType.Q4_1: "q8x3",
+    GGMLQuantizationType.Q5_0: "q8x3", GGMLQuantizationType.Q5_1: "q8x3",
+}
+
+
+def resolved_activations(qtype: GGMLQuantizationType, activations: Activations) -> Activations:
+    """The mode the kernel runs for ``activations`` ("auto": :data:`AUTO_ACTIVATIONS`)."""
+    return AUTO_ACTIVATIONS.get(qtype, "float32") if activations == "auto" else activations
 
 
 def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
@@ -62,6 +77,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
         _chosen(x.device.type, "the torch reference (dequantise the rows, then matmul)")
         return gguf_linear_reference(x, qweight, qtype, in_features, bias)
     _chosen(x.device.type, f"the C++ kernel ({kernel.isa()})")
+    activations = resolved_activations(qtype, activations)
     _chosen_path(kernel, qtype, activations)
     # Only what is needed: in a float32 model each of these is a no-op left out, so a step
     # graph's capture meets the op and views alone.

@@ -75,7 +75,7 @@ class GGUFLinearMethod:
     """One layer's GGUF weight; ``dequantize``: always dequantise it at load; ``activations``: how
     its input meets the blocks (:func:`~tokenmill_quant_gguf.kernels.gguf_linear`)."""
 
-    def __init__(self, dequantize: bool = False, activations: Activations = "q8x3") -> None:
+    def __init__(self, dequantize: bool = False, activations: Activations = "auto") -> None:
         self.dequantize = dequantize
         self.activations: Activations = activations
         self.parts: tuple[BlockPart, ...] = ()  # set when the layer keeps its blocks

@@ -30,9 +30,10 @@ class GGUFConfig(QuantizationConfig):
     dequantize: ClassVar[bool] = False
 
     def __init__(self, activations: Activations | None = None) -> None:
-        # How the layers' inputs meet the blocks (tokenmill_quant_gguf.kernels): by default three
-        # 8-bit planes through integer dot products, within float tolerance of the float32
-        # product; $TOKENMILL_GGUF_ACTIVATIONS=q8 gives llama.cpp's one plane, float32 the float path.
+        # How the layers' inputs meet the blocks (tokenmill_quant_gguf.kernels): by default ("auto")
+        # the faster of three 8-bit planes through integer dot products and the float path, by block
+        # type, both within float tolerance of the float32 product; $TOKENMILL_GGUF_ACTIVATIONS=q8
+        # gives llama.cpp's one plane, float32 the float path everywhere.
         self.activations = activations or activations_from_environment()
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
@@ -51,8 +52,8 @@ class GGUFDequantizedConfig(GGUFConfig):
 
 
 def activations_from_environment() -> Activations:
-    """``$TOKENMILL_GGUF_ACTIVATIONS`` (``float32``, ``q8``, ``q8x2`` or ``q8x3``), ``q8x3`` where unset."""
-    value = os.environ.get(ACTIVATIONS_VARIABLE, "q8x3")
+    """``$TOKENMILL_GGUF_ACTIVATIONS`` (``auto``, ``float32``, ``q8``, ``q8x2`` or ``q8x3``), ``auto`` where unset."""
+    value = os.environ.get(ACTIVATIONS_VARIABLE, "auto")
     if value not in get_args(Activations):
         raise ValueError(f"${ACTIVATIONS_VARIABLE} must be one of {', '.join(get_args(Activations))}, not {value!r}")
     return cast(Activations, value)
