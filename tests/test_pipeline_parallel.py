@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_tensor_parallel import STRESS, _alive, _generate, _prompts
+from test_tensor_parallel import STRESS, _generate, _prompts
 from tiny_models import hf_greedy
 from worker_probe import worker_pids
 
@@ -25,6 +25,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.executor.pipeline_parallel import check_pipeline_parallel
 from tokenmill.executor.remote_ranks import WorkerFailure
 from tokenmill.layers import PipelineStage
+from tokenmill.plugin_api import process_alive
 
 MAX_NEW = 10
 
@@ -133,7 +134,7 @@ def test_stages_match_one_rank_and_transformers(arch, tp, pp, model_factory):
     pids = worker_pids(llm)
     assert len(set(pids)) == tp * pp and os.getpid() not in pids
     llm.engine.shutdown()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def _abort_one_in_flight(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
@@ -179,6 +180,6 @@ def test_a_killed_stage_fails_generate_and_leaves_no_process(killed_stage, llama
         llm.generate([{"prompt_token_ids": p} for p in _prompts(4)] * 4, params)
     killer.join()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)

@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import STRESS, _alive, _generate, _prompts
+from test_tensor_parallel import STRESS, _generate, _prompts
 from tiny_models import hf_greedy
 from worker_probe import worker_pids
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.remote_ranks import WorkerFailure
+from tokenmill.plugin_api import process_alive
 
 MAX_NEW = 10
 
@@ -58,9 +59,9 @@ def test_two_ray_actors_match_one_rank_and_transformers(tp, pp, ray_cluster, mod
     assert len(set(pids)) == 2 and os.getpid() not in pids
     llm.engine.shutdown()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_killed_ray_actor_fails_generate_and_leaves_no_process(ray_cluster, llama_path):
@@ -82,6 +83,6 @@ def test_a_killed_ray_actor_fails_generate_and_leaves_no_process(ray_cluster, ll
                      SamplingParams(temperature=0.0, max_tokens=190, ignore_eos=True))
     killer.join()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
