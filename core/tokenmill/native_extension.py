@@ -51,7 +51,7 @@ def load_native_extension(module_name: str, cache_prefix: str, sources: Sequence
         with _exclusive(folder.parent / f"{cache_prefix}-build.lock"):
             if not library.exists():  # another process may have built it while we waited
                 _build(module_name, sources, cflags, folder, description)
-    return _import(module_name, library)
+    return import_built_extension(module_name, library)
 
 
 def build_directory(cache_prefix: str, sources: Sequence[Path], cflags: Sequence[str]) -> Path:
@@ -78,8 +78,10 @@ def _build(module_name: str, sources: Sequence[Path], cflags: Sequence[str], fol
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _import(module_name: str, library: Path) -> ModuleType:
-    import torch  # noqa: F401  (the module links against libtorch)
+def import_built_extension(module_name: str, library: Path) -> ModuleType:
+    """Import a complete build's module `module_name` from its shared library (torch first: the
+    module links against libtorch). The CPU platform's own builder imports its builds with it too."""
+    import torch  # noqa: F401
 
     spec = importlib.util.spec_from_file_location(module_name, library)
     if spec is None or spec.loader is None:

@@ -51,6 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from tokenmill.plugin_api import import_built_extension
 from tokenmill_platform_cpu.kernels import build_lock, build_progress
 
 logger = logging.getLogger(__name__)
@@ -184,17 +185,7 @@ def _load_or_build(folder: Path) -> ModuleType:
 
 
 def _import_library(path: Path) -> ModuleType:
-    """Import a complete build's module (torch first: the module links against libtorch)."""
-    import importlib.util
-
-    import torch  # noqa: F401
-
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the CPU kernels from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_built_extension(MODULE_NAME, path)
 
 
 def _build(folder: Path) -> ModuleType:
