@@ -1,9 +1,10 @@
 """The worker side of expert-parallel load balancing: measure the load, move experts every N steps.
 
 Each worker of the expert-parallel (tensor-parallel) group keeps an :class:`ExpertRebalancer`.
-Before each step that computes tokens it records the MoE layers' ``expert_load`` counters (one
-small stacked copy on the device, no sync), keeping the last ``window_size + 1`` records, so the
-difference of the newest and the oldest is the load of the last ``window_size`` steps. Every
+Before each step that computes tokens within ``window_size`` steps of the next rebalance it records
+the MoE layers' ``expert_load`` counters (one small stacked copy on the device, no sync), keeping
+the last ``window_size + 1`` records, so the difference of the newest and the oldest is the load of
+the last ``window_size`` steps. Every
 ``step_interval`` such steps it rebalances, before that step's forward:
 
 1. the window's load is broadcast from rank 0 (the ranks count alike, as every rank routes every
@@ -80,14 +81,22 @@ class ExpertRebalancer:
         forward of every step, with the tokens it computes: an empty step is not counted)."""
         if not self.layers or num_scheduled_tokens == 0:
             return
-        self.window.append(torch.stack([cast(torch.Tensor, layer.expert_load) for layer in self.layers]))
         self.steps += 1
+        if self._snapshot_needed():
+            self.window.append(torch.stack([cast(torch.Tensor, layer.expert_load) for layer in self.layers]))
         if self.steps % self.config.step_interval == 0 and len(self.window) > 1:
             self.rebalance()
 
+    def _snapshot_needed(self) -> bool:
+        """Whether this step's counters can be an end of a coming rebalance's window: only the
+        last ``window_size + 1`` steps up to each rebalance are (the window's first and last are
+        read), so a long interval keeps no snapshots of the steps between windows."""
+        window, interval = self.config.window_size, self.config.step_interval
+        return window >= interval or (-self.steps) % interval <= window
+
     def window_load(self) -> list[list[int]]:
         """Tokens routed to each logical expert of each layer over the window, rank 0's counts."""
-        load = self.comm.broadcast((self.window[-1] - self.window[0]).contiguous(), src=0)
+        load = self.comm.broadcast(self.window[-1] - self.window[0], src=0)
         return cast(list[list[int]], load.tolist())
 
     @torch.no_grad()
@@ -132,11 +141,11 @@ def move_expert_weights(layer: FusedMoE, new: list[int], comm: Communicator) -> 
         tags = range(index * len(tensors), (index + 1) * len(tensors))
         if move.src_rank == rank and move.dst_rank != rank:
             for tag, row in zip(tags, saved[move.src_slot], strict=True):
-                pending.append(dist.isend(row, _global_rank(comm, move.dst_rank), group=comm.group, tag=tag))
+                pending.append(dist.isend(row, comm.global_rank(move.dst_rank), group=comm.group, tag=tag))
         elif move.dst_rank == rank and move.src_rank != rank:
             rows = incoming[move.dst_slot] = [torch.empty_like(t[move.dst_slot]) for t in tensors]
             for tag, row in zip(tags, rows, strict=True):
-                pending.append(dist.irecv(row, _global_rank(comm, move.src_rank), group=comm.group, tag=tag))
+                pending.append(dist.irecv(row, comm.global_rank(move.src_rank), group=comm.group, tag=tag))
     for work in pending:
         if work is not None:
             work.wait()
@@ -146,11 +155,6 @@ def move_expert_weights(layer: FusedMoE, new: list[int], comm: Communicator) -> 
             for tensor, row in zip(tensors, rows, strict=True):
                 tensor[move.dst_slot].copy_(row)
     return len(moves)
-
-
-def _global_rank(comm: Communicator, rank: int) -> int:
-    """torch.distributed names peers by their rank in the default group."""
-    return rank if comm.group is None else dist.get_global_rank(comm.group, rank)
 
 
 def expert_rebalancer(config: Any, model: nn.Module, comm: Communicator) -> ExpertRebalancer | None:

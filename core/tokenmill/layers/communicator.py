@@ -85,19 +85,19 @@ class Communicator:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
         with self._timed():
-            dist.gather(x, parts, dst=self._global(dst), group=self.group)
+            dist.gather(x, parts, dst=self.global_rank(dst), group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else x
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank (in place: the others' ``x`` is overwritten)."""
         if self.world_size > 1:
             with self._timed():
-                dist.broadcast(x, self._global(src), group=self.group)
+                dist.broadcast(x, self.global_rank(src), group=self.group)
         return x
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send ``x`` to rank ``dst``, which must :meth:`recv` a tensor of its shape and dtype."""
-        dist.send(x.contiguous(), self._global(dst), group=self.group)
+        dist.send(x.contiguous(), self.global_rank(dst), group=self.group)
 
     def send_async(self, x: torch.Tensor, dst: int) -> None:
         """Start sending ``x`` to rank ``dst`` and return: the transfer runs on the backend's own
@@ -109,18 +109,18 @@ class Communicator:
             with self._timed(self.blocked):
                 oldest.wait()
         x = x.contiguous()
-        self._sending.append((x, dist.isend(x, self._global(dst), group=self.group)))
+        self._sending.append((x, dist.isend(x, self.global_rank(dst), group=self.group)))
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Receive rank ``src``'s :meth:`send` (or :meth:`send_async`) into ``x`` (returned); the
         wait counts in ``blocked``."""
-        work = dist.irecv(x, self._global(src), group=self.group)
+        work = dist.irecv(x, self.global_rank(src), group=self.group)
         assert work is not None  # None only on a rank outside the group
         with self._timed(self.blocked):
             work.wait()
         return x
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
         """torch.distributed names peers by their rank in the default group."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 

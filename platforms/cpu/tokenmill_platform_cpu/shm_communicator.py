@@ -143,7 +143,7 @@ def create_shm_communicator(rank: int, world_size: int, group: Any = None) -> Co
     try:
         if rank == 0:
             _create_file(path[0], SharedSegment.size(world_size, size))
-        dist.broadcast_object_list(path, src=base._global(0), group=group)
+        dist.broadcast_object_list(path, src=base.global_rank(0), group=group)
         with contextlib.suppress(OSError, ValueError):
             segment = _map(path[0], world_size, size)
         answers: list[Any] = [None] * world_size
