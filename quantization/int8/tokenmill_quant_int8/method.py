@@ -82,6 +82,10 @@ class Int8W8A8LinearMethod:
         self.fused_cpu = self.activations == ActivationScheme() and weight.device.type == "cpu" and cpu_kernel_runs()
         if self.fused_cpu:
             chosen_path(weight.device, "the AVX-512 VNNI kernel (per-token quantization, product and scaling in one call)")
+            # The kernel adds a float32 bias: converted once here, not in every call (where a step
+            # graph's capture would also refuse the conversion and run the step eagerly).
+            bias = cast(torch.Tensor | None, linear.bias)
+            linear.register_buffer("kernel_bias", None if bias is None else bias.float().contiguous(), persistent=False)
         if not self.activations.symmetric or self.fused_cpu:
             linear.register_buffer("weight_row_sum", weight.sum(dim=1, dtype=torch.int32), persistent=False)
 
@@ -89,7 +93,7 @@ class Int8W8A8LinearMethod:
         weight = cast(torch.Tensor, layer.weight)
         if self.fused_cpu and x.device.type == "cpu" and x.dtype in FUSED_DTYPES:
             out = w8a8_linear_cpu(x.reshape(-1, x.shape[-1]), weight, cast(torch.Tensor, layer.weight_scale),
-                                  cast(torch.Tensor, layer.weight_row_sum), cast(torch.Tensor | None, layer.bias))
+                                  cast(torch.Tensor, layer.weight_row_sum), cast(torch.Tensor | None, layer.kernel_bias))
             return out.reshape(*x.shape[:-1], weight.shape[0])
         static = self.activations.static
         xq = quantize_input(x.reshape(-1, x.shape[-1]), self.activations,
