@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokenmill.multimodal.inputs import MultiModalItem
+from tokenmill.scheduler.whole_items import whole_items_chunk
 
 
 @dataclass
@@ -38,11 +39,12 @@ class _Step:
 
 
 class EncoderBudget:
-    def __init__(self, compute_budget: int, cache_size: int) -> None:
+    def __init__(self, compute_budget: int, cache_size: int, whole_items: bool = False) -> None:
         if compute_budget < 1:
             raise ValueError(f"the encoder budget must be at least 1 token, got {compute_budget}")
         self.compute_budget = compute_budget
         self.capacity = cache_size
+        self.whole_items = whole_items  # chunks never end inside an item (tokenmill.scheduler.whole_items)
         self._entries: OrderedDict[str, int] = OrderedDict()  # content hash -> rows, least recent first
         self._pins: dict[str, set[str]] = {}  # content hash -> requests that still need it
         self._pinned_rows = 0
@@ -74,7 +76,10 @@ class EncoderBudget:
     def fit_chunk(self, req_id: str, items: list[MultiModalItem], start: int, num_new: int) -> int:
         """How many of the ``num_new`` tokens from ``start`` the step can take: all, or up to the
         first item they reach whose encoder output neither exists nor fits the step's budget and
-        the cache. The items the chunk reaches are scheduled for encoding or pinned in the cache."""
+        the cache (and, with ``whole_items``, not ending inside an item). The items the chunk
+        reaches are scheduled for encoding or pinned in the cache."""
+        if self.whole_items:
+            num_new = whole_items_chunk(items, start, num_new)
         end = start + num_new
         # in prompt order, so that a cut never leaves out an item scheduled before it
         for index, item in sorted(enumerate(items), key=lambda pair: pair[1].offset):

@@ -55,7 +55,6 @@ from tokenmill.scheduler.output import (
 )
 from tokenmill.scheduler.queues import QUEUES, WaitingQueue, preemption_key
 from tokenmill.scheduler.spec_tokens import SpecDecodeCounters, num_rejected, usable_drafts
-from tokenmill.scheduler.whole_items import whole_items_chunk
 
 if TYPE_CHECKING:
     from tokenmill.kv_transfer.connector import KVConnectorScheduler
@@ -130,7 +129,7 @@ class Scheduler:
         self.encoder_cache_queries = 0  # multimodal items looked up in the workers' encoder cache, since start
         self.encoder_cache_hits = 0
         self.encoder = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
-                                     config.encoder_cache_size)
+                                     config.encoder_cache_size, whole_items=config.whole_mm_items)
         self.spec_decode = SpecDecodeCounters()
         self.draft_backoff = DraftBackoff(config.spec_min_acceptance_rate, config.spec_acceptance_window,
                                           config.spec_backoff_tokens)
@@ -372,8 +371,6 @@ class Scheduler:
             num_unsent = request.num_tokens - request.num_computed_tokens
             num_new = min(num_unsent + len(request.spec_token_ids), plan.budget)  # drafts count in the budget
             if request.mm_inputs:
-                if self.config.whole_mm_items:
-                    num_new = whole_items_chunk(request.mm_inputs, request.num_computed_tokens, num_new)
                 num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, request.num_computed_tokens,
                                                  num_new)
                 if num_new == 0:  # its next image waits for a step with encoder budget left
@@ -439,8 +436,6 @@ class Scheduler:
                 break
             num_new = min(num_new, plan.budget)
             if request.mm_inputs:
-                if self.config.whole_mm_items:
-                    num_new = whole_items_chunk(request.mm_inputs, num_computed, num_new)
                 num_new = self.encoder.fit_chunk(request.request_id, request.mm_inputs, num_computed, num_new)
                 if num_new == 0 or (num_computed + num_new < request.num_tokens
                                     and not self.config.enable_chunked_prefill):
