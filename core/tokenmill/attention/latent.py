@@ -13,15 +13,15 @@ afterwards (``tokenmill_models_moe.mla``).
 
 A step's gather index and causal mask are built from the metadata's tensors (with nothing read
 back to the host, so a captured step would rebuild them on replay) by the first latent layer of
-the step and reused by the others: :func:`latent_step_data` keeps the last step's, keyed by its
-metadata object. An fp8 cache is written and read through ``tokenmill.kv_cache.fp8`` with the
+the step and reused by the others: :func:`latent_step_data` keeps them on the step's metadata
+(``AttentionMetadata.latent_data``). An fp8 cache is written and read through ``tokenmill.kv_cache.fp8`` with the
 layer's one scale.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -40,26 +40,12 @@ class LatentStepData:
     mask: torch.Tensor  # [B, 1, Q, S] True where a query may attend
 
 
-class _LastStep:
-    """The last step's data, for the metadata object it was built from (held weakly)."""
-
-    def __init__(self) -> None:
-        self._metadata: weakref.ref[AttentionMetadata] | None = None
-        self._data: LatentStepData | None = None
-
-    def get(self, metadata: AttentionMetadata) -> LatentStepData:
-        if self._data is None or self._metadata is None or self._metadata() is not metadata:
-            self._data = build_latent_step_data(metadata)
-            self._metadata = weakref.ref(metadata)
-        return self._data
-
-
-_last_step = _LastStep()
-
-
 def latent_step_data(metadata: AttentionMetadata) -> LatentStepData:
-    """The step's data, built once per step (metadata object) for all its latent layers."""
-    return _last_step.get(metadata)
+    """The step's data, built once per step (metadata object) for all its latent layers and kept
+    on the metadata (``latent_data``)."""
+    if metadata.latent_data is None:
+        metadata.latent_data = build_latent_step_data(metadata)
+    return cast(LatentStepData, metadata.latent_data)
 
 
 def build_latent_step_data(metadata: AttentionMetadata) -> LatentStepData:

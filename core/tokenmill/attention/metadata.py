@@ -44,3 +44,6 @@ class AttentionMetadata:
     # The images whose tokens attend to each other both ways this step (Gemma 3); None: all
     # causal. See tokenmill.attention.item_blocks.
     bidirectional_blocks: list[BidirectionalBlock] | None = None
+    # The latent (MLA) layers' gather index and mask for this step, built by the first of them
+    # (tokenmill.attention.latent.latent_step_data) and reused by the rest.
+    latent_data: Any = None
