@@ -25,6 +25,16 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self.text = ""
 
+    @property
+    def num_tokens(self) -> int:
+        """The tokens added so far."""
+        return self._num_tokens
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """Whether the text must grow token by token to find where the request stops."""
+        return bool(self._stops)
+
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string that matched, if any."""
         for token_id in token_ids:

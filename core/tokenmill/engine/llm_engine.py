@@ -85,16 +85,18 @@ class LLMEngine:
         return prepare_request(self.input_processor, self.model_info, request_id, prompt, params, priority,
                                pooling, truncate_prompt_tokens, lora_request)
 
-    def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None) -> None:
+    def add_prepared(self, prepared: PreparedRequest, timeout: float | None = None, final_only: bool = False) -> None:
         """Queue a prepared request; it ends with finish_reason ``timeout`` once ``timeout`` seconds
-        (default: ``config.request_timeout``) have passed since now."""
+        (default: ``config.request_timeout``) have passed since now. ``final_only``: :meth:`step`
+        returns its output only once it has finished (``OutputProcessor.add_request``)."""
         if self.output_processor.has_request(prepared.request_id):
             raise ValueError(f"request id {prepared.request_id!r} is already running")
         lora_name = prepared.requests[0].lora_name if prepared.requests else None
         if lora_name is not None:
             self.lora.get(lora_name)  # an adapter unloaded since: fail before anything is queued
         self.output_processor.add_request(prepared.request_id, prepared.prompt.text, prepared.prompt.token_ids,
-                                          [(r.request_id, r.sampling_params) for r in prepared.requests])
+                                          [(r.request_id, r.sampling_params) for r in prepared.requests],
+                                          final_only=final_only)
         for request in prepared.requests:
             self.core.add_request(request)
         timeout = self.config.request_timeout if timeout is None else timeout

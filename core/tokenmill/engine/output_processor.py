@@ -54,6 +54,9 @@ class _Parent:
     error: str | None = None
     embedding: list[float] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # the first sample's that has any (n samples: one prompt)
+    # The caller reads only the finished output (LLM.generate): no output per step, and no
+    # text before the end where no stop string needs it.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -80,14 +83,17 @@ class OutputProcessor:
         return stats
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    children: list[tuple[str, SamplingParams]]) -> None:
+                    children: list[tuple[str, SamplingParams]], final_only: bool = False) -> None:
+        """``final_only``: ``process`` returns this request's output once, when it finishes (a
+        caller that reads nothing before the end saves building an output per step), and a sample
+        without stop strings is detokenized then, in one go (the same text)."""
         samples = {
             child_id: _Sample(i, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                               logprobs=[] if params.logprobs is not None else None,
                               cumulative_logprob=0.0 if params.logprobs is not None else None)
             for i, (child_id, params) in enumerate(children)
         }
-        self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, samples)
+        self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, samples, final_only=final_only)
         self._parent_of.update({child_id: request_id for child_id in samples})
         arrival = time.monotonic()
         self._timers.update({child_id: RequestTimer(arrival, len(prompt_token_ids)) for child_id in samples})
@@ -129,7 +135,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 self._finish_timer(out.req_id, sample.finish_reason, now)
             touched[parent_id] = parent
-        result.outputs = [self._emit(parent) for parent in touched.values()]
+        result.outputs = [self._emit(parent) for parent in touched.values()
+                          if not parent.final_only or parent.finished]
         return result
 
     def _time_step(self, out: EngineCoreOutput, step_start: float, now: float) -> None:
@@ -158,6 +165,14 @@ class OutputProcessor:
             sample.finish_reason = status.finish_reason
             self._finish_timer(req_id, sample.finish_reason or "abort", time.monotonic())
         parent.error = parent.error or error
+        try:
+            if _text_waits_for_end(parent, sample):
+                _catch_up_text(sample)
+        except Exception as exc:
+            logger.warning("request %s failed in output processing: %r", req_id, exc)
+            parent.error = parent.error or f"output processing failed: {type(exc).__name__}: {exc}"
+        if parent.final_only and not parent.finished:
+            return None
         return self._emit(parent)
 
     def _emit(self, parent: _Parent) -> RequestOutput:
@@ -181,7 +196,12 @@ class OutputProcessor:
             for entries in out.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(entries))
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entries[0][1]
-        stop = sample.detokenizer.add_tokens(out.new_token_ids)
+        if _text_waits_for_end(parent, sample):
+            if out.finish_status is None:
+                return False  # no stop string to look for: the text is made once it finishes
+            stop = _catch_up_text(sample)
+        else:
+            stop = sample.detokenizer.add_tokens(out.new_token_ids)
         if stop is not None and out.finish_status is None:
             sample.finish_reason, sample.stop_reason = "stop", stop
             return True
@@ -196,3 +216,15 @@ class OutputProcessor:
 
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+
+def _text_waits_for_end(parent: _Parent, sample: _Sample) -> bool:
+    """Whether the sample is detokenized once it finishes, not per step: its caller reads only
+    the finished output, and no stop string needs the text before."""
+    return parent.final_only and not sample.detokenizer.has_stop_strings
+
+
+def _catch_up_text(sample: _Sample) -> str | None:
+    """Detokenize the sample's tokens the detokenizer has not seen (a ``final_only`` sample's,
+    which waits for its end); the stop string that matched, if any."""
+    return sample.detokenizer.add_tokens(sample.token_ids[sample.detokenizer.num_tokens:])

@@ -70,7 +70,7 @@ class LLM:
                 request_id = self.engine.next_request_id()
                 prepared = self.engine.prepare_request(request_id, prompt, params, priority[i] if priority else 0,
                                                        lora_request=loras[i])
-                self.engine.add_prepared(prepared)
+                self.engine.add_prepared(prepared, final_only=True)  # _run reads finished outputs only
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -30,6 +30,11 @@ class InputBatch:
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.samples_nothing = np.zeros(max_num_reqs, dtype=bool)  # pooling, or max_tokens 0: prefill only
+        # How many live rows carry each flag: a step whose batch has none (most steps) skips
+        # that flag's work without a look at the arrays.
+        self.num_pooling = 0
+        self.num_prompt_logprobs = 0
+        self.num_samples_nothing = 0
         self.req_ids: list[str] = []
         self.states: list[CachedRequestState] = []
         self.index_of: dict[str, int] = {}
@@ -49,20 +54,26 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = state.num_computed_tokens
-        self.is_pooling[row] = state.pooling is not None
-        self.wants_prompt_logprobs[row] = state.sampling_params.prompt_logprobs is not None
-        self.samples_nothing[row] = state.pooling is not None or state.sampling_params.max_tokens == 0
+        self.is_pooling[row], self.wants_prompt_logprobs[row], self.samples_nothing[row] = _flags(state)
+        self._count_flags(state, 1)
         self.set_blocks(row, state.block_ids)
 
     def remove(self, req_id: str) -> None:
         row = self.index_of.pop(req_id, None)
         if row is None:
             return
+        self._count_flags(self.states[row], -1)
         last = self.num_reqs - 1
         if row != last:
             self._move(last, row)
         self.req_ids.pop()
         self.states.pop()
+
+    def _count_flags(self, state: CachedRequestState, sign: int) -> None:
+        pooling, prompt_logprobs, samples_nothing = _flags(state)
+        self.num_pooling += sign * pooling
+        self.num_prompt_logprobs += sign * prompt_logprobs
+        self.num_samples_nothing += sign * samples_nothing
 
     def _move(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
@@ -92,3 +103,11 @@ class InputBatch:
         if n < self.max_model_len:
             self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+
+def _flags(state: CachedRequestState) -> tuple[bool, bool, bool]:
+    """A request's rare-work flags: pooling, prompt logprobs, samples nothing (pooling, or
+    max_tokens 0: prefill only)."""
+    pooling = state.pooling is not None
+    return (pooling, state.sampling_params.prompt_logprobs is not None,
+            pooling or state.sampling_params.max_tokens == 0)

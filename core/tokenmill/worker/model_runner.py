@@ -294,10 +294,12 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar: GrammarBitmask | None = None, token_logits: torch.Tensor | None = None) -> None:
-        mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]
+        mask = inputs.sample_mask
+        if self.batch.num_samples_nothing:
+            mask = mask & ~self.batch.samples_nothing[inputs.rows]
         if self.spec_decode is not None and self.spec_decode.drafts:  # rows with drafts verify them
             mask = self.spec_decode.verify(self, inputs, hidden, mask, output, grammar)
-        sample_rows = inputs.rows[mask]
+        sample_rows = inputs.rows[mask].tolist()  # ints: a numpy scalar is slow to index a list with
         if len(sample_rows) == 0:
             return
         indices = inputs.query_start[1:][mask] - 1
@@ -317,7 +319,7 @@ class ModelRunner:
                 continue
             token, lists, index = draw
             state.output_token_ids.append(token)
-            self.batch.append_token(int(row), token)
+            self.batch.append_token(row, token)
             output.sampled[state.req_id] = [token]
             if lists is not None and state.sampling_params.logprobs is not None:
                 output.logprobs[state.req_id] = [_token_logprobs(lists, index, state.sampling_params.logprobs)]
@@ -375,6 +377,8 @@ class ModelRunner:
 
         A prompt may arrive in chunks, so mean pooling keeps a running sum.
         """
+        if not self.batch.num_pooling:
+            return
         finished: list[tuple[str, torch.Tensor]] = []
         for i in np.flatnonzero(self.batch.is_pooling[inputs.rows]):
             state = self.batch.states[inputs.rows[i]]
@@ -398,6 +402,8 @@ class ModelRunner:
             output.pooled[req_id] = vector
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        if not self.batch.num_prompt_logprobs:
+            return
         for i, state, start, end in self._prompt_logprob_chunks(inputs):
             wanted = cast(int, state.sampling_params.prompt_logprobs)
             if end > start:
@@ -455,10 +461,11 @@ def _sampled_logits(logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tens
 def _unsampleable_rows(row_max: torch.Tensor) -> dict[int, str]:
     """Rows no token can be drawn from, by their largest logit: a NaN or +inf anywhere (a
     broken forward), or every logit -inf. One small copy to the host."""
-    if math.isfinite(float(row_max.sum())):  # every row finite (a sum that overflows only checks them one by one)
+    values = row_max.tolist()  # one torch call: a step's fixed cost is largely its count of them
+    if math.isfinite(sum(values)):  # every row finite (a sum that overflows only checks them one by one)
         return {}
     failed = {}
-    for i, value in enumerate(row_max.tolist()):
+    for i, value in enumerate(values):
         if math.isnan(value) or value == math.inf:
             failed[i] = "the model produced non-finite logits (NaN or inf) for this request"
         elif value == -math.inf:

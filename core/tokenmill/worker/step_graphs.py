@@ -187,19 +187,31 @@ def _static_metadata(metadata: AttentionMetadata, max_blocks: int) -> AttentionM
 
 def _layout(value: Any, tensors: list[torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by its shape and dtype (appended to ``tensors``
-    in order), for comparing two steps' backend data; None for a type it cannot compare."""
+    in order), for comparing two steps' backend data; None for a type it cannot compare.
+    Every replay runs it: the common types are tested first."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return ("tensor", tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, np.ndarray):
-        return ("array", value.shape, value.dtype.str, value.tobytes())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__, tuple(_layout(getattr(value, f.name), tensors)
-                                            for f in dataclasses.fields(value)))
+    if value is None or isinstance(value, int | float | str | bool):
+        return value
     if isinstance(value, list | tuple):
         return (type(value).__name__, tuple(_layout(v, tensors) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple((k, _layout(v, tensors)) for k, v in value.items()))
-    if value is None or isinstance(value, int | float | str | bool):
-        return value
+    if isinstance(value, np.ndarray):
+        return ("array", value.shape, value.dtype.str, value.tobytes())
+    names = _dataclass_fields(type(value))
+    if names is not None:
+        return (type(value).__name__, tuple(_layout(getattr(value, name), tensors) for name in names))
     return object()  # never equal to another: steps with such backend data run eagerly
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...] | None] = {}
+
+
+def _dataclass_fields(cls: type) -> tuple[str, ...] | None:
+    """The field names of a dataclass type (None for another type), looked up once per type."""
+    if cls not in _FIELD_NAMES:
+        _FIELD_NAMES[cls] = (tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls)
+                             else None)
+    return _FIELD_NAMES[cls]
