@@ -15,6 +15,13 @@ with an out overload, ``ns::name(...) -> Tensor`` and ``ns::name.out(..., *, Ten
 Tensor(a!)``, and called as ``torch.ops.ns.name``: the CPU platform's step graphs then record and
 replay it (docs/plugins.md, "Quantization methods"); without the out overload such steps run eagerly.
 
+Every build gets :func:`native_include_dir` on its include path: ``<tokenmill/parallel.h>``
+gives a kernel ``tokenmill::parallel_for`` (at::parallel_for's signature), which runs its loop on the
+thread pool a platform published with :func:`publish_parallel_backend` (the CPU platform's: the one
+its own kernels of the same step run on) and on at::parallel_for where none was.
+:func:`import_built_extension` attaches each extension it imports to the published pool (or to
+the one published later); the contract is ``csrc/include/tokenmill/parallel_abi.h``'s.
+
 (The CPU platform's own kernels have a richer builder: progress reports, seeding from an older
 build, a packaged ninja. This one is the small common case.)
 """
@@ -22,6 +29,7 @@ build, a packaged ninja. This one is the small common case.)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
@@ -31,11 +39,14 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+PARALLEL_BACKEND_CAPSULE = b"tokenmill.parallel_backend"  # TOKENMILL_PARALLEL_BACKEND_CAPSULE
+_ATTACH_SYMBOL = "tokenmill_parallel_attach"  # what <tokenmill/parallel.h> exports
 
 
 def load_native_extension(module_name: str, cache_prefix: str, sources: Sequence[Path],
@@ -54,12 +65,23 @@ def load_native_extension(module_name: str, cache_prefix: str, sources: Sequence
     return import_built_extension(module_name, library)
 
 
+def native_include_dir() -> Path:
+    """The headers tokenmill gives C++ kernels (``tokenmill/parallel.h``), on every build's include path."""
+    return Path(__file__).with_name("csrc") / "include"
+
+
+def native_headers() -> list[Path]:
+    """The headers under :func:`native_include_dir`: part of what names a build, as its sources are."""
+    return sorted(native_include_dir().rglob("*.h"))
+
+
 def build_directory(cache_prefix: str, sources: Sequence[Path], cflags: Sequence[str]) -> Path:
     import torch
 
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
     key = hashlib.sha1()
-    for part in (sys.prefix, torch.__version__, *(s.read_text() for s in sources), " ".join(cflags), _cpu_flags()):
+    texts = [s.read_text() for s in (*sources, *native_headers())]
+    for part in (sys.prefix, torch.__version__, *texts, " ".join(cflags), _cpu_flags()):
         key.update(part.encode() + b"\0")
     return root / f"{cache_prefix}-{key.hexdigest()[:16]}"
 
@@ -71,7 +93,7 @@ def _build(module_name: str, sources: Sequence[Path], cflags: Sequence[str], fol
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".building-", dir=folder.parent))
     try:
         load(name=module_name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
-             build_directory=str(staging), verbose=False)
+             extra_include_paths=[str(native_include_dir())], build_directory=str(staging), verbose=False)
         staging.chmod(0o755)
         staging.rename(folder)
     finally:
@@ -88,7 +110,75 @@ def import_built_extension(module_name: str, library: Path) -> ModuleType:
         raise ImportError(f"cannot import {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _parallel_seam.add_extension(library)
     return module
+
+
+def publish_parallel_backend(capsule: object) -> None:
+    """Run the parallel loops of every extension built with ``<tokenmill/parallel.h>`` (imported
+    already or later) on the pool behind ``capsule``, a PyCapsule named ``tokenmill.parallel_backend``
+    holding a ``tokenmill_parallel_backend`` that lives as long as the process (parallel_abi.h).
+    A platform with a pool of its own calls it once its kernels are loaded; a second call replaces
+    the first."""
+    _parallel_seam.publish(capsule)
+
+
+def attached_extensions() -> list[Path]:
+    """The extensions whose loops run on the published pool (for tests and diagnostics)."""
+    return _parallel_seam.attached()
+
+
+class _ParallelSeam:
+    """The published pool's table and the extensions that can take it, attached through the
+    ``tokenmill_parallel_attach`` each exports (ctypes: the extension's library is already loaded,
+    so ``RTLD_NOLOAD`` finds it rather than loading a second copy)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._backend: int | None = None  # the table's address
+        self._extensions: dict[Path, ctypes.CDLL] = {}
+        self._attached: list[Path] = []
+
+    def add_extension(self, library: Path) -> None:
+        try:
+            handle = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+            handle[_ATTACH_SYMBOL]  # raises AttributeError where the extension does not include the header
+        except (OSError, AttributeError):
+            return  # built without <tokenmill/parallel.h> (the CPU platform's own kernels): nothing to attach
+        with self._lock:
+            self._extensions[library] = handle
+            if self._backend is not None:
+                self._attach(library, handle)
+
+    def publish(self, capsule: object) -> None:
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        try:
+            address = get_pointer(capsule, PARALLEL_BACKEND_CAPSULE)
+        except ValueError as exc:  # another capsule, or no capsule
+            raise ValueError(f"publish_parallel_backend takes a PyCapsule named "
+                             f"{PARALLEL_BACKEND_CAPSULE.decode()}, not {capsule!r}") from exc
+        with self._lock:
+            self._backend = address
+            self._attached = []
+            for library, handle in self._extensions.items():
+                self._attach(library, handle)
+
+    def attached(self) -> list[Path]:
+        with self._lock:
+            return list(self._attached)
+
+    def _attach(self, library: Path, handle: ctypes.CDLL) -> None:
+        attach = handle[_ATTACH_SYMBOL]
+        attach.restype, attach.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        if attach(self._backend) == 0:
+            self._attached.append(library)
+        else:
+            logger.warning("%s was built for another version of the parallel-loop seam: its loops stay on "
+                           "at::parallel_for", library)
+
+
+_parallel_seam = _ParallelSeam()
 
 
 @contextlib.contextmanager

@@ -67,7 +67,13 @@ if TYPE_CHECKING:
     )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.multimodal.inputs import MultiModalItem, content_hash
-    from tokenmill.native_extension import import_built_extension, load_native_extension
+    from tokenmill.native_extension import (
+        attached_extensions,
+        import_built_extension,
+        load_native_extension,
+        native_include_dir,
+        publish_parallel_backend,
+    )
     from tokenmill.platform import (
         ActivationProfiling,
         CommunicationBackend,
@@ -142,7 +148,8 @@ _LAZY = {
     **dict.fromkeys(["ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
-    **dict.fromkeys(["import_built_extension", "load_native_extension"], "tokenmill.native_extension"),
+    **dict.fromkeys(["import_built_extension", "load_native_extension", "native_include_dir",
+                     "publish_parallel_backend", "attached_extensions"], "tokenmill.native_extension"),
     "process_alive": "tokenmill.processes",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
     **dict.fromkeys(["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"],
@@ -208,6 +215,9 @@ __all__ = [
     "lazy_zeros",
     "import_built_extension",
     "load_native_extension",
+    "native_include_dir",
+    "publish_parallel_backend",
+    "attached_extensions",
     "process_alive",
     # attention backends
     "AttentionBackend",

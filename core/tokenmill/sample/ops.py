@@ -128,6 +128,18 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     return (chunk * _CDF_CHUNK + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (first maximum on ties, as ``max(dim=-1).indices``): ``[B]`` int64, by the
+    platform's kernel where it has one for float32 logits (kernels registered before ``argmax``
+    was part of ``SamplingKernels`` keep torch's)."""
+    kernels = sampling_kernels(logits.device)
+    argmax = getattr(kernels, "argmax", None)
+    if argmax is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[-1] > 0:
+        return argmax(logits)
+    # max(...).indices is argmax (first maximum on ties), about 3x faster than argmax on the CPU
+    return logits.max(dim=-1).indices
+
+
 def random_sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,

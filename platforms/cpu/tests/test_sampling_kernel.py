@@ -1,5 +1,5 @@
-"""The CPU temperature-sampling kernel against the inverse-CDF definition, and the
-sampler's use of it."""
+"""The CPU temperature-sampling kernel against the inverse-CDF definition, the greedy kernel
+against torch's max, and the sampler's use of them."""
 
 from __future__ import annotations
 
@@ -51,10 +51,16 @@ def test_single_token_rows_and_the_last_token(kernels):
 def test_sampler_uses_the_kernel_only_on_the_plain_path(kernels, monkeypatch):
     calls = []
 
+    greedy_calls = []
+
     class Spy:
         def temperature_sample(self, logits, temperature, uniform):
             calls.append(logits.shape[0])
             return kernels.temperature_sample(logits, temperature, uniform)
+
+        def argmax(self, logits):
+            greedy_calls.append(logits.shape[0])
+            return kernels.argmax(logits)
 
     monkeypatch.setitem(kernels_module._BY_DEVICE_TYPE, "cpu", Spy())
     logits = torch.randn(4, 300)
@@ -70,8 +76,25 @@ def test_sampler_uses_the_kernel_only_on_the_plain_path(kernels, monkeypatch):
     draw(temperature=0.7, top_k=5)
     draw(temperature=0.7, top_p=0.5)
     assert calls == [4]
+    assert greedy_calls == []
     greedy = draw(temperature=0.0)
-    assert calls == [4] and greedy.tolist() == logits.argmax(-1).tolist()
+    assert calls == [4] and greedy_calls == [4] and greedy.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 32000])  # a lone token, ragged and whole vectors
+def test_greedy_gives_torchs_max_index(kernels, vocab):
+    """Ties (the first maximum), infinities and NaN (the first NaN: torch.max propagates it) included."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, vocab)
+    logits[1] = 0.5  # all tied
+    logits[2, -1] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, vocab // 2] = logits[4, -1] = float("nan")
+    logits[5, -1] = logits[5, 0] = 9.0  # tied at both ends
+    logits[6, ::3] = float("-inf")
+    assert torch.equal(kernels.argmax(logits), logits.max(dim=-1).indices)
+    transposed = logits.t().contiguous().t()  # the same values, not contiguous
+    assert torch.equal(kernels.argmax(transposed), logits.max(dim=-1).indices)
 
 
 def test_seeded_draws_reproduce(kernels, monkeypatch):

@@ -1,4 +1,4 @@
-"""The CPU platform's sampling kernel (C++, float32): the plain temperature draw."""
+"""The CPU platform's sampling kernels (C++, float32): the plain temperature draw and the greedy argmax."""
 
 from __future__ import annotations
 
@@ -14,3 +14,6 @@ class CpuSamplingKernels:
     def temperature_sample(self, logits: torch.Tensor, temperature: torch.Tensor,
                            uniform: torch.Tensor) -> torch.Tensor:
         return self._kernels.temperature_sample(logits, temperature, uniform)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._kernels.greedy_sample(logits)

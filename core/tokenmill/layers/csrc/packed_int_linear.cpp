@@ -26,6 +26,7 @@
 // to 3 rows of x keep 4 / rows independent sums each, so that decode is not one chain of FMAs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -230,7 +231,7 @@ void product(const Operands& op, int64_t m) {
   const int64_t tiles = op.padded_n / kTileCols;
   // the tiles split over the threads; a tile's weights (K_p * 16 * Bits / 8 bytes) stay in the
   // cache while every chunk of 8 rows of x passes over them
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
 #if defined(TOKENMILL_PACKED_INT_BF16)
     if (Bf16 && m > kMaxRows) {
       std::vector<int32_t> pairs(op.kp / 2 * kTileCols);
@@ -253,7 +254,7 @@ template <typename In, typename Out>
 void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out* staged) {
   const In* xp = reinterpret_cast<const In*>(x.data_ptr());
   const int64_t m = x.size(0), k = x.size(1);
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const In* in = xp + row * k;
       Out* out = staged + row * kp;

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from tokenmill.plugin_api import import_built_extension
+from tokenmill.plugin_api import import_built_extension, native_include_dir, publish_parallel_backend
 from tokenmill_platform_cpu.kernels import build_lock, build_progress
 
 logger = logging.getLogger(__name__)
@@ -149,8 +149,14 @@ def build_directory() -> Path:
     key = hashlib.sha1()
     for source in _SOURCES + _HEADERS:
         key.update(str(source).encode() + b"\0" + source.read_bytes() + b"\0")
+    for header in _core_headers():  # the parallel-loop seam's table (thread_pool.cpp fills it)
+        key.update(header.read_bytes() + b"\0")
     key.update(" ".join(compile_flags() + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
     return environment_directory() / key.hexdigest()[:16]
+
+
+def _core_headers() -> list[Path]:
+    return sorted(native_include_dir().rglob("*.h"))
 
 
 def library_path(folder: Path) -> Path:
@@ -165,6 +171,8 @@ def load_kernels() -> ModuleType | None:
     try:
         module = _load_or_build(build_directory())
         logger.info("CPU kernels built for %s", isa)
+        # plugin kernels' loops (tokenmill/parallel.h) on this pool too, beside these kernels' own
+        publish_parallel_backend(module.parallel_backend())
         return module
     except Exception as exc:  # no compiler, no ninja, unsupported flags: run without the kernels
         logger.warning("CPU kernels unavailable (%s); using the torch reference ops and SDPA attention", exc)
@@ -199,7 +207,8 @@ def _build(folder: Path) -> ModuleType:
         _seed_from_previous_build(staging, folder.parent)
         with _packaged_ninja_first(folder.parent), build_progress.reported(staging, len(_SOURCES)):
             module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=compile_flags(),
-                          extra_ldflags=LDFLAGS, build_directory=str(staging), verbose=False)
+                          extra_ldflags=LDFLAGS, extra_include_paths=[str(native_include_dir())],
+                          build_directory=str(staging), verbose=False)
         (staging / _CPU_FILE).write_text(_build_target())
         staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
         staging.rename(folder)

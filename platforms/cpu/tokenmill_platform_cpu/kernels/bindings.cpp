@@ -10,6 +10,7 @@ at::Tensor silu_and_mul(at::Tensor x);
 void rotary_embedding_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                        at::Tensor sin_cache);
 at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Tensor uniform);
+at::Tensor greedy_sample(at::Tensor logits);
 at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
 std::vector<std::string> small_linear_dtypes();
 bool packed_linear_available();
@@ -47,4 +48,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_step_graph(m);
   bind_thread_pool(m);
   m.def("temperature_sample", &temperature_sample, "Inverse-CDF draw from softmax(logits / t) per row (float32)");
+  m.def("greedy_sample", &greedy_sample, "Each row's first maximum, or its first NaN (float32)");
 }

@@ -174,7 +174,97 @@ int64_t sample_row(const float* x, int64_t v, float temperature, float uniform, 
   return begin;  // no token has mass (a NaN or all -inf row): the caller reports the row
 }
 
+// The row's first maximum, or its first NaN where it has one (torch.max's index: NaN propagates).
+// Two reads of the row, both vectorised: its max (and whether any lane was NaN), then the first
+// lane equal to it. torch's max(dim=-1) and argmax keep an index beside the value in one scalar
+// pass: 55 us for a 32,000-token row here, against 3-4 us.
+int64_t first_nan(const float* x, int64_t v) {
+  for (int64_t i = 0; i < v; ++i)
+    if (std::isnan(x[i])) return i;
+  return 0;
+}
+
+#ifdef __AVX512F__
+int64_t row_argmax(const float* x, int64_t v) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    m = _mm512_max_ps(m, a);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  }
+  float best = _mm512_reduce_max_ps(m);
+  bool any_nan = nan != 0;
+  for (int64_t j = i; j < v; ++j) {
+    any_nan |= std::isnan(x[j]);
+    best = std::max(best, x[j]);
+  }
+  if (any_nan) return first_nan(x, v);
+  const __m512 target = _mm512_set1_ps(best);
+  for (i = 0; i + 16 <= v; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+    if (hit != 0) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < v; ++i)
+    if (x[i] == best) return i;
+  return 0;
+}
+#elif defined(__AVX2__)
+int64_t row_argmax(const float* x, int64_t v) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(m, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = *std::max_element(lanes, lanes + 8);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < v; ++j) {
+    any_nan |= std::isnan(x[j]);
+    best = std::max(best, x[j]);
+  }
+  if (any_nan) return first_nan(x, v);
+  const __m256 target = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= v; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (hit != 0) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < v; ++i)
+    if (x[i] == best) return i;
+  return 0;
+}
+#else
+int64_t row_argmax(const float* x, int64_t v) {
+  int64_t at = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[at]) at = i;
+  }
+  return at;
+}
+#endif
+
 }  // namespace
+
+// logits [B, V] float32 -> tokens [B] int64: each row's first maximum (its first NaN where it has one)
+at::Tensor greedy_sample(at::Tensor logits) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0,
+              "greedy_sample: float32 [B, V] logits, V > 0");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), v = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* x_ptr = x.data_ptr<float>();
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  tokenmill::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out_ptr[r] = row_argmax(x_ptr + r * v, v);
+  });
+  return out;
+}
 
 // logits [B, V] float32; temperature [B] (> 0); uniform [B] in [0, 1) -> tokens [B] int64
 at::Tensor temperature_sample(at::Tensor logits, at::Tensor temperature, at::Tensor uniform) {

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "thread_binding.h"
+#include "tokenmill/parallel_abi.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -57,6 +58,7 @@ std::chrono::nanoseconds spin_time() {
 }
 
 std::atomic<int> pool_mode{-1};  // -1 unread, 0 openmp, 1 claim
+std::atomic<int64_t> plugin_loops{0};  // loops of plugin kernels run through the published backend
 std::atomic<int> configured_threads{0};  // 0: torch's count, read on first use
 
 bool fallback_enabled() {
@@ -165,6 +167,7 @@ class ClaimPool {
     out["cores"] = as_list(plan_.cores);
     out["worker_cores"] = as_list(worker_cores_);
     out["worker_tids"] = as_list(worker_tids_);
+    out["plugin_loops"] = plugin_loops.load(std::memory_order_relaxed);
     return out;
   }
 
@@ -348,9 +351,37 @@ void run_job(const Job& job, int threads) {
   current_pool().run(job, threads);
 }
 
+namespace {
+
+// The parallel-loop seam's entry (tokenmill/parallel_abi.h): a plugin kernel's loop runs as the
+// platform's own kernels' loops do (this pool, or OpenMP under TOKENMILL_CPU_THREAD_POOL=openmp).
+// `call` does not throw, so an exception here came before any range ran: nonzero, and the
+// plugin runs the loop itself.
+int plugin_parallel_for(int64_t begin, int64_t end, int64_t grain, tokenmill_parallel_range call,
+                        const void* context) {
+  try {
+    parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { call(context, b, e); });
+  } catch (...) {
+    return 1;
+  }
+  plugin_loops.fetch_add(1, std::memory_order_relaxed);
+  return 0;
+}
+
+const tokenmill_parallel_backend published_backend{TOKENMILL_PARALLEL_ABI_VERSION, sizeof(tokenmill_parallel_backend),
+                                                   &plugin_parallel_for};
+
+}  // namespace
 }  // namespace tokenmill
 
 void bind_thread_pool(pybind11::module& m) {
+  m.def(
+      "parallel_backend",
+      [] {
+        return pybind11::capsule(const_cast<tokenmill_parallel_backend*>(&tokenmill::published_backend),
+                                 TOKENMILL_PARALLEL_BACKEND_CAPSULE);
+      },
+      "The pool as the parallel-loop seam's table (tokenmill/parallel_abi.h), for publish_parallel_backend");
   m.def(
       "set_thread_pool",
       [](const std::string& mode) {
@@ -373,7 +404,8 @@ void bind_thread_pool(pybind11::module& m) {
       "The claim pool: workers started, whether the contention fallback holds torch at one thread, the "
       "caller's running share of the chunks, how often the fallback engaged, the threads a region runs on, "
       "the binding: the mask it was planned from, each thread's core (the caller's first, not pinned; empty: "
-      "none pinned), each worker's core (-1: not pinned) and kernel thread id");
+      "none pinned), each worker's core (-1: not pinned) and kernel thread id, and the loops of plugin kernels "
+      "run through parallel_backend");
   m.def(
       "thread_pool_observe", [](double caller_share) {
         tokenmill::current_pool().observe(caller_share, tokenmill::pool_threads());

@@ -26,6 +26,7 @@
 // float32 and multiplies them by torch's GEMM (every type and mode: the exact float product).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -437,7 +438,7 @@ constexpr Path path_of() {
 template <int Type, bool Portable>
 void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_stride, float* y) {
   const int64_t blocks = K / block_values(Type);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
       for (int64_t n = begin; n < end; ++n) {
@@ -532,7 +533,7 @@ template <int Type>
 void dequantize_panel(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t K, float* out) {
   constexpr int values = block_values(Type);
   const int bytes = block_bytes(Type);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < K / values; ++b)
         dequantize_values<Type>(w + r * row_stride + b * bytes, out + r * K + b * values);

@@ -28,6 +28,7 @@
 // while the weight rows pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -149,7 +150,7 @@ void quantize_pair(const float* x, int count, int type, ActivationPair& out) {
 template <int Planes>
 void quantize_rows(const float* x, int64_t M, int64_t K, int type, ActivationPair* out) {
   const int64_t pairs = (K / kBlock + 1) / 2;
-  at::parallel_for(0, M * pairs, 64, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, M * pairs, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / pairs, p = i % pairs;
       const int count = static_cast<int>(std::min<int64_t>(2 * kBlock, K - p * 2 * kBlock));
@@ -270,7 +271,7 @@ void product(const Operands& op) {
   // Rows of x a tile takes: 4 where the 16 accumulators, the 4 unpacked weight rows and a row's
   // activations fit the 32 registers; 2 where several planes or the mins would spill them.
   constexpr int64_t rows = Planes == 1 && !has_min(Type) ? kTile : 2;
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < op.M; m0 += kRowChunk) {
       const int64_t m1 = std::min(op.M, m0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {

@@ -24,6 +24,7 @@
 // rows, 19% slower at 4; a few to 20% faster than int_mm at 16-256 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -145,7 +146,7 @@ template <typename Out>
 void product_by_tiles(const Operands& op, Out* y) {
   const int64_t tiles = (op.N + kTile - 1) / kTile;
   // the weight rows split over the threads; each walks its rows once per chunk of input rows
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / std::max<int64_t>(op.K, 1)), [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / std::max<int64_t>(op.K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < op.M; m0 += kRowChunk) {
       const int64_t m1 = std::min(op.M, m0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
@@ -167,7 +168,7 @@ void product_by_tiles(const Operands& op, Out* y) {
 // The int32 product of torch._int_mm, scaled row by row.
 template <typename Out>
 void scale_rows(const Operands& op, const int32_t* acc, Out* y) {
-  at::parallel_for(0, op.M, std::max<int64_t>(1, 16384 / std::max<int64_t>(op.N, 1)), [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, op.M, std::max<int64_t>(1, 16384 / std::max<int64_t>(op.N, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const __m512 x_scale = _mm512_set1_ps(op.x_scale[m]);
       for (int64_t n = 0; n < op.N; n += 16) {
@@ -281,7 +282,7 @@ void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t
 template <typename Out>
 void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y) {
   const int64_t panels = (op.N + kPanelCols - 1) / kPanelCols;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int32_t> panel;
     panel.resize(static_cast<size_t>(Kp / 4 * kPanelVectors * 16));
     for (int64_t p = begin; p < end; ++p) {
@@ -308,7 +309,7 @@ constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kMany
 // to Kp bytes a row, for the panels.
 template <typename In>
 void quantize_shifted(const In* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xu, float* x_scale) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t m = begin; m < end; ++m) {
       uint8_t* row = xu + m * Kp;
@@ -339,7 +340,7 @@ void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Te
   auto x_scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* xsp = x_scale.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) xsp[m] = quantize_row(xp + m * K, K, xqp + m * K);
   });
   const Operands op{xqp, xsp, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(),
