@@ -261,7 +261,9 @@ inline void multiply_pair(const Operands& op, const ActivationPair* x, const uin
   __m512i q[kTile];
   for (int c = 0; c < kTile; ++c) {
     a[c] = w[c] + 2 * p * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(a[c] + kPrefetchRows * op.row_stride), _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(a[c] + kPrefetchRows * op.row_stride);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if constexpr (2 * bytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);  // a Q8_0 pair spans two lines
     q[c] = unpack_quants<Type>(a[c], has_b ? a[c] + bytes : nullptr);
   }
   const __m256 d = tile_halves(a, has_b, bytes, 0);
