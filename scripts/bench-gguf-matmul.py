@@ -76,6 +76,23 @@ def random_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int) -> tor
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
+def sweeper(op: Callable[..., torch.Tensor], calls: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
+            qtype: int, path: str) -> Callable[[], None]:
+    """One decode step's matmuls: ``op`` on each (x, weight, K, out) of ``calls`` with activations ``path``."""
+    def run() -> None:
+        for x, weight, k, out in calls:
+            op(x, weight, qtype, k, None, path, out=out)
+    return run
+
+
+def reader(views: list[torch.Tensor]) -> Callable[[], None]:
+    """Reading the same bytes with no arithmetic to speak of: the bound a sweep could reach."""
+    def run() -> None:
+        for view in views:
+            view.amax()
+    return run
+
+
 def best_of(calls: Callable[[], None], rounds: int, per_sample: int, clock: Callable[[], float]) -> list[float]:
     """Per-round median seconds of ``calls()`` by ``clock``."""
     samples = []
@@ -126,18 +143,10 @@ def main() -> None:
                     xs = {k: torch.randn(m, k) for _, _, k in shapes}
                     outs = [torch.empty(m, n) for _, n, _ in shapes]
 
-                    def sweep(path: str) -> Callable[[], None]:
-                        def run() -> None:
-                            for (_, n, k), w, out in zip(shapes, weights, outs, strict=True):
-                                op(xs[k], w, int(qtype), k, None, path, out=out)
-                        return run
-
-                    def read() -> None:
-                        for v in views:
-                            v.amax()
-
+                    calls = [(xs[k], w, k, out) for (_, _, k), w, out in zip(shapes, weights, outs, strict=True)]
+                    read = reader(views)
                     paths = args.paths.split(",")
-                    runs = {path: sweep(path) for path in paths}
+                    runs = {path: sweeper(op, calls, int(qtype), path) for path in paths}
                     for run in runs.values():
                         run()
                     timed: dict[str, list[float]] = {path: [] for path in paths}
