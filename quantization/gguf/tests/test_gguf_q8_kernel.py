@@ -126,6 +126,24 @@ def test_the_product_is_the_quantised_activations_times_the_weights(qtype: GGMLQ
     assert ((got - float_product).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("activations", ["q8", "q8x3"])
+@requires_vnni
+def test_a_decode_row_of_many_tiles_is_the_quantised_activations_times_the_weights(
+        qtype: GGMLQuantizationType, activations: str) -> None:
+    # One row of x (a batch-1 decode step) against a weight of decode proportions: a long row (48 blocks:
+    # every pair full), many tiles of 4 weight rows with a partial last one, whose scales (and mins)
+    # the kernel gathers a tile at a time; the product within float32 rounding of the float64 one.
+    n, k = 4 * 25 + 3, 48 * 32
+    qweight = packed(n, k, qtype, seed=5)
+    weight = dequantize_rows(qweight, qtype, k).double()
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)) * 4
+    got = product(x, qweight, qtype, activations).double()
+    values, _ = quantised_activations(x, PLANES[activations])
+    magnitude = values.abs() @ weight.abs().T
+    assert ((got - values @ weight.T).abs() <= FLOAT_SLACK * magnitude).all()
+
+
 @requires_vnni
 def test_more_planes_come_within_float_tolerance_and_one_is_not() -> None:
     # The float path's test tolerance (test_gguf_kernels) holds from two planes on.

@@ -49,6 +49,10 @@ Activations = Literal["auto", "float32", "q8", "q8x2", "q8x3"]
 # TPOT): Q4_0 4.39 ms with "q8x3" against 6.52 with "float32", Q8_0 7.24 with "float32" against 11.40 with
 # "q8x3" (a Q8_0 block is as wide as its three planes, so the float FMAs read the same bytes and skip the
 # quantisation). Both are within the float product's tolerance; types not named take "float32".
+# With the scales gathered per tile (seventh session, scripts/bench-gguf-matmul.py, the tiny model's 33
+# matmuls at M = 1, CPU time on a shared machine) one plane is only 10-20% faster than three (Q4_0 2.5 against
+# 3.0 ms a sweep), not worth leaving the float tolerance for; Q8_0's planes now cost what its float path does
+# at M = 1 (and 1.5x less from M = 4), so its batch-1 choice stays "float32".
 AUTO_ACTIVATIONS: dict[GGMLQuantizationType, Activations] = {
     GGMLQuantizationType.Q4_0: "q8x3", GGMLQuantizationType.Q4_1: "q8x3",
     GGMLQuantizationType.Q5_0: "q8x3", GGMLQuantizationType.Q5_1: "q8x3",

@@ -7,14 +7,16 @@
 // d = amax * (1 / 127), q = round-half-even(x * (1 / d))); one plane is llama.cpp's numerics. With more
 // planes each next 8-bit plane holds the rounding error of the one before at 1 / 128 of its scale:
 // x ~ d * q1 + (d / 128) * q2 (+ (d / 128^2) * q3), about 15 (22) bits a value. The planes' integer
-// products are combined exactly (128 * dot1 + dot2, then 128 * that + dot3, fit in int32) before the
-// one conversion to float, so a plane costs one more vpdpbusd, shift and add.
+// products are combined exactly (128 * dot1 + dot2, then 128 * that + dot3, fit in int32: each next
+// vpdpbusd accumulates onto the shifted sum) before the one conversion to float, so a plane costs one
+// more vpdpbusd and shift.
 //
 // vpdpbusd multiplies unsigned by signed bytes: the weights give the unsigned bytes (the 4 / 5-bit
 // quants as they are, Q8_0's signed ones xor 0x80), and what their offset (8 for Q4_0, 16 for Q5_0,
-// 128 for Q8_0) owes is taken out by starting each accumulator at -offset * (the activations' sum
-// over its four bytes), precomputed with the activations. Q4_1 / Q5_1's min m instead adds
-// m * d_x * sum(q_x), also precomputed (llama.cpp's Q8_1 sums).
+// 128 for Q8_0) owes is taken out by one integer add of -offset * (the activations' value over the
+// lane's four bytes, the planes combined), precomputed with the activations (with one plane, the
+// accumulator starts there). Q4_1 / Q5_1's min m instead adds m * d_x * sum(q_x) per block, also
+// precomputed (llama.cpp's Q8_1 sums).
 //
 // Two blocks (64 values) fill a 512-bit register. The 16 int32 lanes of a product each sum four
 // bytes, and the activations are stored in the order the weights unpack to, so each lane belongs to
@@ -23,7 +25,13 @@
 // last block, when their count is odd, is paired with zeros.
 //
 // Tiles of up to 4 rows of x by 4 weight rows: each weight pair is unpacked once per tile and each
-// load of activations serves 4 weight rows. Weight rows are split over torch's intra-op threads;
+// load of activations serves 4 weight rows. The tile's float16 block scales (and mins) are gathered
+// into one vector of 8 (4 rows by 2 blocks) and converted and multiplied by the activations' block
+// scales there, once per tile, then spread to each row's lanes by one permute: at batch 1 the
+// per-block scale work is what bounded the loop (vector operations, not bytes: the weights stream at
+// a third of what the memory gives), and a scale converted and broadcast per row and block cost more
+// than its integer product. The mins' share is accumulated per block in that 8-wide form too. Each
+// row's bytes two tiles ahead are prefetched. Weight rows are split over torch's intra-op threads;
 // x is walked in chunks of kRowChunk rows so that a chunk's quantised activations stay in cache
 // while the weight rows pass.
 #include <torch/extension.h>
@@ -61,10 +69,10 @@ constexpr int kMaxPlanes = 3;
 
 // Two blocks of one row of x, quantised for one weight type's byte order.
 struct alignas(64) ActivationPair {
-  int8_t q[kMaxPlanes][64];      // planes 1, 2, 3 (those past the call's planes unused)
-  int32_t start[kMaxPlanes][16];  // each plane's accumulator start: -offset * (sum of the lane's 4 bytes)
-  float scale[16];       // the lane's block scale, in units of the last plane (d, d / 128 or d / 128^2)
-  float sum[16];         // scale * (the lane's 4 values as one integer): d_x * sum(q_x) shares
+  int8_t q[kMaxPlanes][64];  // planes 1, 2, 3 (those past the call's planes unused)
+  int32_t start[16];    // the accumulator start: -offset * (the lane's 4 values as one integer, planes combined)
+  float pair_scale[8];  // [d_x A, d_x B] four times (in units of the last plane: d, d / 128 or d / 128^2)
+  float pair_sum[8];    // [sum A, sum B] four times: d_x * sum(q_x) of each whole block, likewise
 };
 
 constexpr int block_bytes(int type) {
@@ -74,19 +82,9 @@ constexpr bool has_min(int type) { return type == Q4_1 || type == Q5_1; }
 constexpr int offset_of(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 constexpr bool nibble_order(int type) { return type != Q8_0; }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // 1 / d by the division instruction (a builtin, which -ffast-math's reciprocal rewrites leave alone);
 // 0 for an all-zero block.
 inline float inverse(float d) { return d == 0.0f ? 0.0f : _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_set_ss(d))); }
-
-inline __m512 per_lane(float a, float b, __mmask16 b_lanes) {
-  return _mm512_mask_mov_ps(_mm512_set1_ps(a), b_lanes, _mm512_set1_ps(b));
-}
 
 // The lanes of block b of a pair in the weight type's byte order (see the top).
 inline __mmask16 b_lanes(bool nibbles) { return nibbles ? 0xF0F0 : 0xFF00; }
@@ -138,12 +136,18 @@ void quantize_pair(const float* x, int count, int type, ActivationPair& out) {
     const __m512i q = in_order(part[p], nibbles);
     _mm512_store_si512(out.q[p], q);
     const __m512i lane_sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q);  // 1 * q over 4 bytes
-    _mm512_store_si512(out.start[p], _mm512_mullo_epi32(lane_sum, offset));
     value = p == 0 ? lane_sum : _mm512_add_epi32(_mm512_slli_epi32(value, 7), lane_sum);
   }
-  const __m512 scale = per_lane(block_scale[0], block_scale[1], b_lanes(nibbles));
-  _mm512_store_ps(out.scale, scale);
-  _mm512_store_ps(out.sum, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(value)));
+  _mm512_store_si512(out.start, _mm512_mullo_epi32(value, offset));
+  const __mmask16 b_mask = b_lanes(nibbles);
+  const float sum_a = block_scale[0] * static_cast<float>(_mm512_mask_reduce_add_epi32(~b_mask, value));
+  const float sum_b = block_scale[1] * static_cast<float>(_mm512_mask_reduce_add_epi32(b_mask, value));
+  for (int i = 0; i < 4; ++i) {
+    out.pair_scale[2 * i] = block_scale[0];
+    out.pair_scale[2 * i + 1] = block_scale[1];
+    out.pair_sum[2 * i] = sum_a;
+    out.pair_sum[2 * i + 1] = sum_b;
+  }
 }
 
 // Every row of x[M, K] into M * pairs ActivationPairs.
@@ -159,30 +163,24 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int type, ActivationPai
   });
 }
 
-// One weight row's pair of blocks, unpacked: bytes in the activations' order, and per lane the
-// block's scale d_w and (Q4_1 / Q5_1) min m_w.
-struct WeightPair {
-  __m512i q;
-  __m512 d, m;
-};
-
-// Blocks a and b (b == nullptr: zeros) of Type.
+// Blocks a and b (b == nullptr: zeros) of Type, their quants unpacked: the bytes in the activations'
+// order (see the top).
 template <int Type>
-inline WeightPair unpack(const uint8_t* a, const uint8_t* b) {
-  WeightPair w;
+inline __m512i unpack_quants(const uint8_t* a, const uint8_t* b) {
   if constexpr (Type == Q8_0) {
     const __m256i qa = _mm256_loadu_si256((const __m256i*)(a + 2));
     const __m256i qb = b != nullptr ? _mm256_loadu_si256((const __m256i*)(b + 2)) : _mm256_set1_epi8(static_cast<char>(0x80));
-    w.q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), _mm512_set1_epi8(static_cast<char>(0x80)));
-    w.d = per_lane(half_at(a), b != nullptr ? half_at(b) : 0.0f, 0xFF00);
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
     constexpr int qs = Type == Q4_0 ? 2 : Type == Q4_1 ? 4 : Type == Q5_0 ? 6 : 8;
     const __m128i qa = _mm_loadu_si128((const __m128i*)(a + qs));
     const __m128i qb = b != nullptr ? _mm_loadu_si128((const __m128i*)(b + qs)) : _mm_setzero_si128();
-    // [a, b, a, b] of 16 bytes each, the upper half shifted to its high nibbles, then masked
-    __m512i v = _mm512_broadcast_i64x4(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
-    v = _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4);
-    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    // [a, b] of 16 bytes each, its low nibbles then its high ones (256-bit operations: on CPUs
+    // that split 512-bit ones in two, half the cost)
+    const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(ab, mask)),
+                                   _mm256_and_si256(_mm256_srli_epi16(ab, 4), mask), 1);
     if constexpr (Type == Q5_0 || Type == Q5_1) {
       // the fifth bits: qh bit j belongs to value j, bytes 0-15 then 16-31 of each block
       uint32_t ha, hb = 0;
@@ -192,11 +190,36 @@ inline WeightPair unpack(const uint8_t* a, const uint8_t* b) {
                             (static_cast<uint64_t>(ha >> 16) << 32) | (static_cast<uint64_t>(hb >> 16) << 48);
       v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(0x10));  // bit 4 is clear: adding sets it
     }
-    w.q = v;
-    w.d = per_lane(half_at(a), b != nullptr ? half_at(b) : 0.0f, 0xF0F0);
-    if constexpr (has_min(Type)) w.m = per_lane(half_at(a + 2), b != nullptr ? half_at(b + 2) : 0.0f, 0xF0F0);
+    return v;
   }
-  return w;
+}
+
+// The float16 field at byte `field` (the scale d at 0, Q4_1 / Q5_1's min m at 2) of blocks a[c] and
+// a[c] + bytes (zero where !has_b) of a tile's 4 weight rows, as 8 floats [row 0 A, row 0 B, row 1 A,
+// ...]: the halves gathered in two 64-bit integers and converted at once (per block and row, two
+// conversions and broadcasts would cost more vector operations than the products they scale).
+inline __m256 tile_halves(const uint8_t* const (&a)[4], bool has_b, int bytes, int field) {
+  uint64_t word[2];
+  for (int i = 0; i < 2; ++i) {
+    uint64_t v = 0;
+    for (int c = 0; c < 2; ++c) {
+      const uint8_t* block = a[2 * i + c] + field;
+      uint16_t ha, hb = 0;
+      std::memcpy(&ha, block, 2);
+      if (has_b) std::memcpy(&hb, block + bytes, 2);
+      v |= (static_cast<uint64_t>(ha) | static_cast<uint64_t>(hb) << 16) << (32 * c);
+    }
+    word[i] = v;
+  }
+  return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(word[1]), static_cast<int64_t>(word[0])));
+}
+
+// Row c's 16 lanes of an [row 0 A, row 0 B, row 1 A, ...] vector: each lane its block's value.
+template <bool Nibbles>
+inline __m512 row_lanes(__m256 v, int c) {
+  const __m512i block_b = Nibbles ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(block_b, _mm512_set1_epi32(2 * c)), _mm512_castps256_ps512(v));
 }
 
 // The 16 lanes of each of a, b, c, d summed: [sum a, sum b, sum c, sum d].
@@ -209,6 +232,12 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// [row 0 A + row 0 B, row 1 A + row 1 B, ...] of an [row 0 A, row 0 B, row 1 A, ...] vector.
+inline __m128 sum_pairs(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);  // [r0 r1 r0 r1 | r2 r3 r2 r3]
+  return _mm_shuffle_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1), _MM_SHUFFLE(1, 0, 1, 0));
+}
+
 struct Operands {
   const ActivationPair* x;  // [M, pairs]
   const uint8_t* w;         // [N, row_stride]
@@ -217,30 +246,48 @@ struct Operands {
   int64_t M, N, blocks, pairs, row_stride;
 };
 
-// One pair of blocks of Rows rows of x against 4 weight rows, into acc.
+// How many weight rows ahead (two tiles) each row's bytes are prefetched: a tile's rows are
+// contiguous, so this streams the next tiles in while one is multiplied; the hardware
+// prefetchers alone leave the interleaved rows waiting on memory once the weights outgrow the cache.
+constexpr int64_t kPrefetchRows = 2 * kTile;
+
+// One pair of blocks of Rows rows of x against 4 weight rows, into acc (and the mins' share, for
+// Q4_1 / Q5_1, into min_acc: [row 0 A, row 0 B, row 1 A, ...] per row of x).
 template <int Type, int Planes, int Rows>
 inline void multiply_pair(const Operands& op, const ActivationPair* x, const uint8_t* const* w, int64_t p, bool has_b,
-                          __m512 (&acc)[Rows][kTile]) {
+                          __m512 (&acc)[Rows][kTile], __m256 (&min_acc)[Rows]) {
   constexpr int bytes = block_bytes(Type);
-  WeightPair wp[kTile];
+  constexpr bool nibbles = nibble_order(Type);
+  const uint8_t* a[kTile];
+  __m512i q[kTile];
   for (int c = 0; c < kTile; ++c) {
-    const uint8_t* a = w[c] + 2 * p * bytes;
-    wp[c] = unpack<Type>(a, has_b ? a + bytes : nullptr);
+    a[c] = w[c] + 2 * p * bytes;
+    const char* ahead = reinterpret_cast<const char*>(a[c] + kPrefetchRows * op.row_stride);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if constexpr (2 * bytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);  // a Q8_0 pair spans two lines
+    q[c] = unpack_quants<Type>(a[c], has_b ? a[c] + bytes : nullptr);
   }
+  const __m256 d = tile_halves(a, has_b, bytes, 0);
+  const __m256 m = has_min(Type) ? tile_halves(a, has_b, bytes, 2) : _mm256_setzero_ps();
   for (int r = 0; r < Rows; ++r) {
     const ActivationPair& xp = x[r * op.pairs + p];
     const __m512i q1 = _mm512_load_si512(xp.q[0]);
-    const __m512i s1 = _mm512_load_si512(xp.start[0]);
-    const __m512 scale = _mm512_load_ps(xp.scale);
+    const __m512i start = offset_of(Type) != 0 ? _mm512_load_si512(xp.start) : _mm512_setzero_si512();
+    const __m256 scales = _mm256_mul_ps(d, _mm256_load_ps(xp.pair_scale));  // d_w * d_x per row and block
     for (int c = 0; c < kTile; ++c) {
-      __m512i dot = _mm512_dpbusd_epi32(s1, wp[c].q, q1);
-      for (int plane = 1; plane < Planes; ++plane) {  // 128 * dot + the next plane's: exact in int32
-        const __m512i next = _mm512_dpbusd_epi32(_mm512_load_si512(xp.start[plane]), wp[c].q, _mm512_load_si512(xp.q[plane]));
-        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), next);
+      __m512i dot;
+      if constexpr (Planes == 1) {
+        dot = _mm512_dpbusd_epi32(start, q[c], q1);
+      } else {
+        // 128 * dot + the next plane's, then the offsets' share (all planes' at once): exact in int32
+        dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], q1);
+        for (int plane = 1; plane < Planes; ++plane)
+          dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), q[c], _mm512_load_si512(xp.q[plane]));
+        if constexpr (offset_of(Type) != 0) dot = _mm512_add_epi32(dot, start);
       }
-      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wp[c].d, scale), acc[r][c]);
-      if constexpr (has_min(Type)) acc[r][c] = _mm512_fmadd_ps(wp[c].m, _mm512_load_ps(xp.sum), acc[r][c]);
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_lanes<nibbles>(scales, c), acc[r][c]);
     }
+    if constexpr (has_min(Type)) min_acc[r] = _mm256_fmadd_ps(m, _mm256_load_ps(xp.pair_sum), min_acc[r]);
   }
 }
 
@@ -248,18 +295,22 @@ inline void multiply_pair(const Operands& op, const ActivationPair* x, const uin
 template <int Type, int Planes, int Rows>
 void tile(const Operands& op, int64_t m0, int64_t n0, int cols) {
   __m512 acc[Rows][kTile];
-  for (int r = 0; r < Rows; ++r)
+  __m256 min_acc[Rows];
+  for (int r = 0; r < Rows; ++r) {
     for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_setzero_ps();
+    min_acc[r] = _mm256_setzero_ps();
+  }
   const uint8_t* w[kTile];
   for (int c = 0; c < kTile; ++c) w[c] = op.w + (n0 + std::min(c, cols - 1)) * op.row_stride;
   const ActivationPair* x = op.x + m0 * op.pairs;
   const int64_t full = op.blocks / 2;
-  for (int64_t p = 0; p < full; ++p) multiply_pair<Type, Planes, Rows>(op, x, w, p, true, acc);
-  if (op.blocks % 2) multiply_pair<Type, Planes, Rows>(op, x, w, full, false, acc);
+  for (int64_t p = 0; p < full; ++p) multiply_pair<Type, Planes, Rows>(op, x, w, p, true, acc, min_acc);
+  if (op.blocks % 2) multiply_pair<Type, Planes, Rows>(op, x, w, full, false, acc, min_acc);
   const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
   const __m128 bias = op.bias != nullptr ? _mm_maskz_loadu_ps(valid, op.bias + n0) : _mm_setzero_ps();
   for (int r = 0; r < Rows; ++r) {
-    const __m128 v = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), bias);
+    __m128 v = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), bias);
+    if constexpr (has_min(Type)) v = _mm_add_ps(v, sum_pairs(min_acc[r]));
     _mm_mask_storeu_ps(op.y + (m0 + r) * op.N + n0, valid, v);
   }
 }
