@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     )
     from tokenmill.model_loader.checkpoint import Checkpoint, WeightsIterator
     from tokenmill.multimodal.inputs import MultiModalItem, content_hash
-    from tokenmill.native_extension import import_built_extension, load_native_extension
+    from tokenmill.native_extension import import_built_extension, load_native_extension, optional_native_extension
     from tokenmill.platform import (
         ActivationProfiling,
         CommunicationBackend,
@@ -142,7 +142,8 @@ _LAZY = {
     **dict.fromkeys(["ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
-    **dict.fromkeys(["import_built_extension", "load_native_extension"], "tokenmill.native_extension"),
+    **dict.fromkeys(["import_built_extension", "load_native_extension", "optional_native_extension"],
+                    "tokenmill.native_extension"),
     "process_alive": "tokenmill.processes",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
     **dict.fromkeys(["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"],
@@ -208,6 +209,7 @@ __all__ = [
     "lazy_zeros",
     "import_built_extension",
     "load_native_extension",
+    "optional_native_extension",
     "process_alive",
     # attention backends
     "AttentionBackend",
