@@ -36,6 +36,7 @@ namespace {
 
 constexpr int64_t kPanel = 8;  // output rows one task of the thread pool computes
 constexpr int kMaxRows = 3;    // rows of x sharing one pass over the widened weights
+constexpr int64_t kPrefetchRows = 2 * kPanel;  // how far ahead (in weight rows) the loads are prefetched
 
 #if defined(TOKENMILL_FP8_AVX512)
 
@@ -60,6 +61,21 @@ inline __m512 widen(__m128i codes) {
   }
 }
 
+// 32 codes as two registers of 16 float32: one sign extension and shift for all 32 (the same
+// widening as widen's, on a register twice the width).
+template <bool E4M3>
+inline void widen32(__m256i codes, __m512& lo, __m512& hi) {
+  __m512i halves;
+  if constexpr (E4M3) {
+    halves = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
+                              _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+  } else {
+    halves = _mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8);
+  }
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+}
+
 // y[m0 .. m0 + Rows, n0 .. n0 + Outs) (the rows past N are computed on the last row, not stored).
 template <bool E4M3, int Outs, int Rows>
 void block(const Operands& op, int64_t n0, int64_t m0) {
@@ -72,6 +88,7 @@ void block(const Operands& op, int64_t n0, int64_t m0) {
   }
   const float* x[Rows];
   for (int r = 0; r < Rows; ++r) x[r] = op.x + (m0 + r) * op.k;
+  const int64_t ahead = kPrefetchRows * op.k;  // bytes from a weight row to the one prefetched for it
   __m512 total[Outs][Rows];
   for (int i = 0; i < Outs; ++i)
     for (int r = 0; r < Rows; ++r) total[i][r] = _mm512_setzero_ps();
@@ -80,7 +97,23 @@ void block(const Operands& op, int64_t n0, int64_t m0) {
     __m512 acc[Outs][Rows];
     for (int i = 0; i < Outs; ++i)
       for (int r = 0; r < Rows; ++r) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 16) {
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {  // 32 codes of each weight row widened in one register
+      __m512 xlo[Rows], xhi[Rows];
+      for (int r = 0; r < Rows; ++r) {
+        xlo[r] = _mm512_loadu_ps(x[r] + k);
+        xhi[r] = _mm512_loadu_ps(x[r] + k + 16);
+      }
+      if ((k & 63) == 0) {  // the rows after these, one line each: short rows (K bytes) train no prefetcher
+        for (int i = 0; i < Outs; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead + k), _MM_HINT_T0);
+      }
+      for (int i = 0; i < Outs; ++i) {
+        __m512 lo, hi;
+        widen32<E4M3>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + k)), lo, hi);
+        for (int r = 0; r < Rows; ++r) acc[i][r] = _mm512_fmadd_ps(hi, xhi[r], _mm512_fmadd_ps(lo, xlo[r], acc[i][r]));
+      }
+    }
+    for (; k < k1; k += 16) {
       const int64_t left = k1 - k;
       const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
       __m512 xv[Rows];
