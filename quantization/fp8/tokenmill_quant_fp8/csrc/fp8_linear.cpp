@@ -19,7 +19,10 @@
 //
 // Blocking: panels of 8 output rows split over the threads; within one, 1 row of x at a time runs
 // against all 8 weight rows (8 independent sums: decode is not one chain of FMAs), 2 or 3 rows of
-// x against 4 weight rows at a time (the widened weights reused across the rows of x).
+// x against 4 weight rows at a time (the widened weights reused across the rows of x). Each weight row
+// is only K bytes, too short a stream for the hardware prefetcher, so the rows 32 ahead are
+// prefetched into L2 as these are read (in a decode step the weights come from DRAM: measured in
+// the tiny Llama's step graph, 6.3 ms of fp8 kernels a step without, 4.0 ms with).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +39,7 @@ namespace {
 
 constexpr int64_t kPanel = 8;  // output rows one task of the thread pool computes
 constexpr int kMaxRows = 3;    // rows of x sharing one pass over the widened weights
-constexpr int64_t kPrefetchRows = 2 * kPanel;  // how far ahead (in weight rows) the loads are prefetched
+constexpr int64_t kPrefetchRows = 4 * kPanel;  // how far ahead (in weight rows) the loads are prefetched
 
 #if defined(TOKENMILL_FP8_AVX512)
 
@@ -104,8 +107,8 @@ void block(const Operands& op, int64_t n0, int64_t m0) {
         xlo[r] = _mm512_loadu_ps(x[r] + k);
         xhi[r] = _mm512_loadu_ps(x[r] + k + 16);
       }
-      if ((k & 63) == 0) {  // the rows after these, one line each: short rows (K bytes) train no prefetcher
-        for (int i = 0; i < Outs; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead + k), _MM_HINT_T0);
+      if ((k & 63) == 0) {  // rows 32 on, one line each, into L2: short rows (K bytes) train no prefetcher
+        for (int i = 0; i < Outs; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead + k), _MM_HINT_T1);
       }
       for (int i = 0; i < Outs; ++i) {
         __m512 lo, hi;
