@@ -53,7 +53,7 @@ def load_native_extension(module_name: str, cache_prefix: str, sources: Sequence
                           cflags: Sequence[str], description: str) -> ModuleType:
     """The compiled module `module_name` of `sources`, built first if this machine has no build
     of them yet. Raises whatever the build raises (no compiler, no ninja, refused flags): the
-    caller decides what runs instead. `cache_prefix` names the build folders (``gguf-<hash>``);
+    caller decides what runs instead (:func:`optional_native_extension` logs and returns None). `cache_prefix` names the build folders (``gguf-<hash>``);
     `description` is what the build's log line calls it."""
     folder = build_directory(cache_prefix, sources, cflags)
     library = folder / f"{module_name}.so"
@@ -73,6 +73,26 @@ def native_include_dir() -> Path:
 def native_headers() -> list[Path]:
     """The headers under :func:`native_include_dir`: part of what names a build, as its sources are."""
     return sorted(native_include_dir().rglob("*.h"))
+
+
+def optional_native_extension(module_name: str, cache_prefix: str, sources: Sequence[Path], cflags: Sequence[str],
+                              description: str, fallback: str, needs: str = "") -> ModuleType | None:
+    """:func:`load_native_extension`'s module where it runs here, else None, with a log line saying
+    which and why: the build failed (a warning: no compiler, no ninja, refused flags) or, for a
+    module with an ``isa()`` function, it returned ``"none"`` (the CPU lacks ``needs``). `fallback`
+    says what runs instead (``"the torch path"``). Callers cache the answer (functools.cache)."""
+    try:
+        module = load_native_extension(module_name, cache_prefix, sources, cflags, description)
+    except Exception as exc:  # whatever the build raises: the fallback runs
+        logger.warning("%s unavailable (%s); %s runs", description, exc, fallback)
+        return None
+    isa = module.isa() if hasattr(module, "isa") else None
+    if isa == "none":
+        logger.info("%s not used: this CPU has no %s; %s runs", description, needs or "instruction set it needs",
+                    fallback)
+        return None
+    logger.info("%s: %s", description, isa or "built")
+    return module
 
 
 def build_directory(cache_prefix: str, sources: Sequence[Path], cflags: Sequence[str]) -> Path:

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
         import_built_extension,
         load_native_extension,
         native_include_dir,
+        optional_native_extension,
         publish_parallel_backend,
     )
     from tokenmill.platform import (
@@ -149,7 +150,8 @@ _LAZY = {
                      "as_structural_format"], "tokenmill.reasoning"),
     "lazy_zeros": "tokenmill.worker.host_memory",
     **dict.fromkeys(["import_built_extension", "load_native_extension", "native_include_dir",
-                     "publish_parallel_backend", "attached_extensions"], "tokenmill.native_extension"),
+                     "publish_parallel_backend", "attached_extensions",
+                     "optional_native_extension"], "tokenmill.native_extension"),
     "process_alive": "tokenmill.processes",
     "SpeculativeConfig": "tokenmill.spec_decode.config",
     **dict.fromkeys(["DraftSampler", "SampledDrafts", "draft_sampling_params", "sample_drafts", "samples_drafts"],
@@ -218,6 +220,7 @@ __all__ = [
     "native_include_dir",
     "publish_parallel_backend",
     "attached_extensions",
+    "optional_native_extension",
     "process_alive",
     # attention backends
     "AttentionBackend",

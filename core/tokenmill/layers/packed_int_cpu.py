@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.layers.packed_int import pack_rows
-from tokenmill.native_extension import load_native_extension
+from tokenmill.native_extension import optional_native_extension
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +130,6 @@ def _chosen(method: str, path: str) -> None:
 def packed_int_kernel_runs() -> bool:
     """Whether the kernel is built for this CPU (compiled on first use, once per source and
     machine); loading it registers ``torch.ops.tokenmill_packed_int``. Logged once."""
-    try:
-        module = load_native_extension(MODULE_NAME, "packed-int", [SOURCE], CFLAGS, "packed-int CPU kernel")
-    except Exception as exc:  # no compiler, no ninja, flags the compiler refuses
-        logger.warning("packed-int CPU kernel unavailable (%s); GPTQ/AWQ/compressed-tensors int layers run the "
-                       "torch path", exc)
-        return False
-    if module.isa() == "none":
-        logger.info("packed-int CPU kernel not used: this CPU has no AVX-512 F/BW/VL; the torch path runs")
-        return False
-    logger.info("packed-int CPU kernel: %s", module.isa())
-    return True
+    return optional_native_extension(MODULE_NAME, "packed-int", [SOURCE], CFLAGS, "packed-int CPU kernel",
+                                     fallback="the torch path of GPTQ/AWQ/compressed-tensors int layers",
+                                     needs="AVX-512 F/BW/VL") is not None

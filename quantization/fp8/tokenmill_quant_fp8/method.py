@@ -27,6 +27,13 @@ import torch
 from torch import nn
 
 from tokenmill.layers import Linear, OutputShardLoader, add_float_weight, quantize_loaded_weight
+from tokenmill_quant_fp8.cpu_kernel import (
+    choose_cpu_kernel,
+    fp8_cpu_linear,
+    kernel_bias,
+    kernel_scales_per_block,
+    kernel_scales_per_channel,
+)
 from tokenmill_quant_fp8.kernels import (
     FP8_DTYPE,
     block_scales_per_row,
@@ -43,7 +50,9 @@ from tokenmill_quant_fp8.kernels import (
 
 class Fp8LinearMethod:
     """A float8_e4m3fn weight with per-channel scales; activations per token (or by
-    the checkpoint's static scale), multiplied by ``torch._scaled_mm`` where it runs."""
+    the checkpoint's static scale), multiplied by ``torch._scaled_mm`` where it runs. On a
+    CPU the weight-only kernel (:mod:`tokenmill_quant_fp8.cpu_kernel`) runs where it builds:
+    the weight widened in registers, the activations not quantized."""
 
     def __init__(self, static_input: bool = False) -> None:
         self.static_input = static_input
@@ -74,11 +83,17 @@ class Fp8LinearMethod:
                 raise ValueError(f"{cast(Linear, layer).prefix}: activation_scheme 'static' but the checkpoint "
                                  f"has no input_scale for output shard(s) {missing}")
             layer.register_buffer("static_input_scale", input_scale.max().reshape(1, 1), persistent=False)
+        if weight.device.type == "cpu" and choose_cpu_kernel(weight, "fp8"):
+            self.gemm = "cpu_kernel"
+            _register_kernel_operands(layer, kernel_scales_per_channel(cast(torch.Tensor, layer.weight_scale)))
+            return
         self.gemm = choose_fp8_gemm(weight.device, weight.shape[1], weight.shape[0])
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight, weight_scale = cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
         rows = x.reshape(-1, x.shape[-1])
+        if self.gemm == "cpu_kernel":
+            return _kernel_apply(layer, rows, weight.shape[1]).reshape(*x.shape[:-1], weight.shape[0])
         if self.static_input:
             # _scaled_mm takes row-wise scales only alongside row-wise weight scales: one per row
             x_scale = cast(torch.Tensor, layer.static_input_scale).expand(rows.shape[0], 1).contiguous()
@@ -127,6 +142,11 @@ class Fp8BlockLinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = cast(torch.Tensor, layer.weight)
+        if weight.device.type == "cpu" and choose_cpu_kernel(weight, "block-wise fp8"):
+            self.gemm = "cpu_kernel"
+            scales = kernel_scales_per_block(cast(torch.Tensor, layer.weight_scale_inv), self.block[0], weight.shape[0])
+            _register_kernel_operands(layer, scales)
+            return
         self.gemm = choose_fp8_gemm(weight.device, weight.shape[1], weight.shape[0], block_cols=self.block[1])
         if self.gemm == "scaled_mm":
             row_scales = block_scales_per_row(cast(torch.Tensor, layer.weight_scale_inv), self.block[0], weight.shape[0])
@@ -135,11 +155,25 @@ class Fp8BlockLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias = cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if self.gemm == "scaled_mm":
+        if self.gemm == "cpu_kernel":
+            out = _kernel_apply(layer, rows, self.block[1])
+        elif self.gemm == "scaled_mm":
             out = fp8_block_linear_scaled_mm(rows, weight, cast(torch.Tensor, layer.block_row_scales), self.block, bias)
         else:
             out = fp8_block_linear_reference(rows, weight, cast(torch.Tensor, layer.weight_scale_inv), self.block, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _register_kernel_operands(layer: nn.Module, scales: torch.Tensor) -> None:
+    """The CPU kernel's scales ``[N, G]`` and float32 bias, made once at load (not parameters: the
+    checkpoint's own stay as they are)."""
+    layer.register_buffer("kernel_scales", scales, persistent=False)
+    layer.register_buffer("kernel_bias", kernel_bias(cast(torch.Tensor | None, layer.bias)), persistent=False)
+
+
+def _kernel_apply(layer: nn.Module, rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    return fp8_cpu_linear(rows, cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.kernel_scales), group_size,
+                          cast(torch.Tensor | None, layer.kernel_bias))
 
 
 def _shard_rows(shards: OutputShardLoader, shard_id: int | None) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The W8A8 CPU kernel (``csrc/w8a8_linear.cpp``): compiled on first use, once per source and machine.
 
-Built with ``-march=native`` through :func:`tokenmill.plugin_api.load_native_extension` (a build
+Built with ``-march=native`` through :func:`tokenmill.plugin_api.optional_native_extension` (a build
 folder per source, flags and CPU under ``$TOKENMILL_KERNEL_CACHE``; concurrent first uses take
 turns). ``-ffp-contract=off`` keeps every product and sum rounded on its own, as torch's
 elementwise ops round them, so the kernel's output is the torch path's bit for bit (no
@@ -13,13 +13,11 @@ elementwise ops round them, so the kernel's output is the torch path's bit for b
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
-from tokenmill.plugin_api import load_native_extension
+from tokenmill.plugin_api import optional_native_extension
 
-logger = logging.getLogger(__name__)
 MODULE_NAME = "tokenmill_int8_kernel"
 SOURCE = Path(__file__).with_name("csrc") / "w8a8_linear.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
@@ -28,12 +26,5 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 @functools.cache
 def load_w8a8_kernel() -> ModuleType | None:
     """The compiled module where it runs here (built first if need be), else None; logged once."""
-    try:
-        module = load_native_extension(MODULE_NAME, "int8", [SOURCE], CFLAGS, "int8 W8A8 CPU kernel")
-    except Exception as exc:  # no compiler, no ninja, flags the compiler refuses
-        logger.warning("int8 W8A8 CPU kernel unavailable (%s); the torch path runs", exc)
-        return None
-    if module.isa() == "none":
-        logger.info("int8 W8A8 CPU kernel not used: this CPU has no AVX-512 VNNI; the torch path runs")
-        return None
-    return module
+    return optional_native_extension(MODULE_NAME, "int8", [SOURCE], CFLAGS, "int8 W8A8 CPU kernel",
+                                     fallback="the torch path", needs="AVX-512 VNNI")
