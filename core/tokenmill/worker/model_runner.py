@@ -224,8 +224,7 @@ class ModelRunner:
             mrope = self.multimodal.step_positions(inputs, self.batch)  # M-RoPE: the model's own positions
             if mrope is not None:
                 inputs = dataclasses.replace(inputs, positions=mrope)
-            embeds = self.multimodal.step_embeddings(inputs, self.batch)
-            inputs.metadata.bidirectional_blocks = self.multimodal.step_bidirectional_blocks(inputs, self.batch)
+            embeds, inputs.metadata.bidirectional_blocks = self.multimodal.step_items(inputs, self.batch)
             if embeds is not None or inputs.positions.dim() > 1:
                 return cast(Any, self.model)(inputs.input_ids, inputs.positions, inputs.metadata,
                                              inputs_embeds=embeds), None

@@ -64,10 +64,17 @@ class MultiModalEmbedder:
         self._reported = now
         return counts
 
-    def step_embeddings(self, inputs: StepInputs, batch: InputBatch) -> torch.Tensor | None:
+    def step_items(self, inputs: StepInputs,
+                   batch: InputBatch) -> tuple[torch.Tensor | None, list[BidirectionalBlock] | None]:
+        """The step's input embeddings (``step_embeddings``) and, for a model whose items attend
+        to themselves both ways, their blocks (``step_bidirectional_blocks``), from one walk over
+        where the step's tokens meet its requests' items."""
+        slices = _step_slices(inputs, batch)
+        return self.step_embeddings(inputs, slices), self.step_bidirectional_blocks(slices)
+
+    def step_embeddings(self, inputs: StepInputs, slices: list[_Slice]) -> torch.Tensor | None:
         """The step's input embeddings, with the encoder outputs in place of the image tokens;
         None when no scheduled token is an item's (the model embeds the ids itself)."""
-        slices = _step_slices(inputs, batch)
         if not slices:
             return None
         outputs = self._encoder_outputs(slices)
@@ -78,7 +85,7 @@ class MultiModalEmbedder:
         is_multimodal = torch.from_numpy(mask).to(inputs.input_ids.device)
         return self.model.embed_input_ids(inputs.input_ids, rows, is_multimodal)
 
-    def step_bidirectional_blocks(self, inputs: StepInputs, batch: InputBatch) -> list[BidirectionalBlock] | None:
+    def step_bidirectional_blocks(self, slices: list[_Slice]) -> list[BidirectionalBlock] | None:
         """For a model whose items attend to themselves both ways: where the step's item tokens
         sit, each attending to its whole item; None for any other model, or a step without items.
         The scheduler computes each item whole (``SchedulerConfig.whole_mm_items``): a step
@@ -86,7 +93,7 @@ class MultiModalEmbedder:
         if not self.bidirectional_items:
             return None
         blocks: list[BidirectionalBlock] = []
-        for s in _step_slices(inputs, batch):
+        for s in slices:
             if s.hi != s.item.length:
                 raise RuntimeError(f"a step holds {s.item.modality} tokens {s.lo}..{s.hi} of {s.item.length} "
                                    "without the item's end, which its earlier tokens attend to")
