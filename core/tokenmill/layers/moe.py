@@ -74,9 +74,10 @@ class UnquantizedFusedMoEMethod:
         """Once, after loading: the platform's prepared (packed) copy of the experts for its
         ``routed_fused_moe`` op, where it has an optional ``prepare_moe_experts`` op (the CPU
         platform's kernel packs them into the panels it streams); whole experts only."""
-        prepare = getattr(layer_ops(layer.gate_up_proj.device), "prepare_moe_experts", None)
+        w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
+        prepare = getattr(layer_ops(w13.device), "prepare_moe_experts", None)
         if prepare is not None and not layer.placement.is_partial:
-            setattr(layer, "prepared_experts", prepare(layer.gate_up_proj, layer.down_proj))  # noqa: B010 (a buffer)
+            setattr(layer, "prepared_experts", prepare(w13, w2))  # noqa: B010 (a buffer)
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
