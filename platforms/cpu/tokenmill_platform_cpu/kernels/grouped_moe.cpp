@@ -313,7 +313,7 @@ void gate_up_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T
   constexpr int kCols = lanes::kGateCols, kLanes = lanes::kLanes;
   constexpr int64_t width = lanes::step_width<T>();
   const int64_t H = pb.hidden, I = pb.inter;
-  const int64_t blocks = lanes::tiles(g.start[item.expert + 1] - g.start[item.expert], kLanes);
+  const int64_t rows = g.start[item.expert + 1] - g.start[item.expert], blocks = lanes::tiles(rows, kLanes);
   const T* panels = pb.packed + item.expert * lanes::gate_up_expert_size<T>(H, I);
   const T* x = lb.x.template data_ptr<T>() + lb.first[item.expert] * lanes::block_size<T>(H);
   T* h = lb.h.template data_ptr<T>() + lb.first[item.expert] * lanes::block_size<T>(I);
@@ -321,13 +321,12 @@ void gate_up_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T
     const T* panel = panels + t * lanes::gate_up_tile_size<T>(H);
     const int columns = static_cast<int>(std::min<int64_t>(kCols, I - t * kCols));
     for (int64_t b = 0; b < blocks; ++b) {
-      lanes::lane_tile<T, 2 * kCols, 2 * kCols>(panel, 0, x + b * lanes::block_size<T>(H), lanes::steps<T>(H),
-                                                [&](__m512 (&acc)[2 * kCols]) {
+      auto activate = [&](auto& acc) {
         alignas(64) float gate[kCols * kLanes], up[kCols * kLanes];
 #pragma GCC unroll 16
         for (int j = 0; j < kCols; ++j) {
-          _mm512_store_ps(gate + j * kLanes, acc[j]);
-          _mm512_store_ps(up + j * kLanes, acc[kCols + j]);
+          lanes::store_lanes(gate + j * kLanes, acc[j]);
+          lanes::store_lanes(up + j * kLanes, acc[kCols + j]);
         }
 #pragma omp simd
         for (int i = 0; i < kCols * kLanes; ++i) {
@@ -340,7 +339,12 @@ void gate_up_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T
           T* column = dst + c / width * kLanes * width + c % width;
           for (int m = 0; m < kLanes; ++m) column[m * width] = static_cast<T>(gate[j * kLanes + m]);
         }
-      });
+      };
+      const T* xb = x + b * lanes::block_size<T>(H);
+      if (rows - b * kLanes <= kLanes / 2)
+        lanes::half_lane_tile<T, 2 * kCols, 2 * kCols>(panel, 0, xb, lanes::steps<T>(H), activate);
+      else
+        lanes::lane_tile<T, 2 * kCols, 2 * kCols>(panel, 0, xb, lanes::steps<T>(H), activate);
     }
   }
 }
@@ -359,18 +363,22 @@ void down_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T>& 
     const T* panel = panels + t * lanes::down_tile_size<T>(I);
     const int columns = static_cast<int>(std::min<int64_t>(kCols, H - t * kCols));
     for (int64_t b = 0; b * kLanes < rows; ++b) {
-      lanes::lane_tile<T, kCols, kCols>(panel, 0, h + b * lanes::block_size<T>(I), lanes::steps<T>(I),
-                                        [&](__m512 (&acc)[kCols]) {
+      auto scatter = [&](auto& acc) {
         alignas(64) float sums[kCols * kLanes];
 #pragma GCC unroll 24
-        for (int j = 0; j < kCols; ++j) _mm512_store_ps(sums + j * kLanes, acc[j]);
+        for (int j = 0; j < kCols; ++j) lanes::store_lanes(sums + j * kLanes, acc[j]);
         const int count = static_cast<int>(std::min<int64_t>(kLanes, rows - b * kLanes));
         for (int m = 0; m < count; ++m) {
           const int64_t pair = g.pair_at[first + b * kLanes + m];
           float* dst = by_pair + pair * H + t * kCols;
           for (int j = 0; j < columns; ++j) dst[j] = pb.weights[pair] * as_stored<T>(sums[j * kLanes + m]);
         }
-      });
+      };
+      const T* hb = h + b * lanes::block_size<T>(I);
+      if (rows - b * kLanes <= kLanes / 2)
+        lanes::half_lane_tile<T, kCols, kCols>(panel, 0, hb, lanes::steps<T>(I), scatter);
+      else
+        lanes::lane_tile<T, kCols, kCols>(panel, 0, hb, lanes::steps<T>(I), scatter);
     }
   }
 }

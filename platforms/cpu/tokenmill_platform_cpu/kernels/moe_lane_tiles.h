@@ -118,6 +118,50 @@ __attribute__((always_inline)) inline void lane_tile(const T* panel, int first, 
   }
   epilogue(acc);
 }
+
+// lane_tile for a block whose rows all lie in its first 8 lanes (an expert's last few rows):
+// 256-bit vectors, which a Zen 4 core issues two a cycle, so such a block costs about half.
+template <typename T, int N, int Columns, typename Epilogue>
+__attribute__((always_inline)) inline void half_lane_tile(const T* panel, int first, const T* x, int64_t k_steps,
+                                                          Epilogue&& epilogue) {
+  __m256 acc[N];
+#pragma GCC unroll 32
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    const float* w = panel + first;
+    for (int64_t s = 0; s < k_steps; ++s, w += Columns) {
+      const __m256 xv = _mm256_loadu_ps(x + s * kLanes);
+#pragma GCC unroll 32
+      for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), xv, acc[j]);
+    }
+  } else {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    const bf16* w = panel + 2 * first;
+    for (int64_t s = 0; s < k_steps; ++s, w += 2 * Columns) {
+      __m256bh xv;
+      const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + s * 2 * kLanes));
+      std::memcpy(&xv, &xi, sizeof(xv));
+#pragma GCC unroll 32
+      for (int j = 0; j < N; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, w + 2 * j, sizeof(pair));
+        const __m256i wi = _mm256_set1_epi32(pair);
+        __m256bh wv;
+        std::memcpy(&wv, &wi, sizeof(wv));
+        acc[j] = _mm256_dpbf16_ps(acc[j], wv, xv);
+      }
+    }
+#endif
+  }
+  epilogue(acc);
+}
+
+// a tile's sums as 16 lanes (a half tile's upper lanes zeros)
+inline void store_lanes(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store_lanes(float* dst, __m256 v) {
+  _mm256_storeu_ps(dst, v);
+  _mm256_storeu_ps(dst + 8, _mm256_setzero_ps());
+}
 #endif
 
 }  // namespace tokenmill::moe_lanes
