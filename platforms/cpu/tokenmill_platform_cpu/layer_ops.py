@@ -45,9 +45,10 @@ SMALL_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 6}
 # grouping ran in 0.8-0.9x the kernel's time, at 16 (64 tokens) in 1.1-1.8x.
 GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT = 32
 # With the experts packed at load (the kernel's lane tiles, kernels/moe_lane_tiles.h) the kernel
-# also wins on prefill chunks: at 75 pairs an expert (300 tokens) 1.2-1.5x the reference loop
-# and ahead of the torch grouping (session 7, bench-moe-layer.py); measured to 75, kept below 128.
-GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED = 96
+# also wins on prefill chunks, ahead of the reference loop and the torch grouping (session 7,
+# bench-moe-layer.py, one thread, top-2 of 8, 512 x 1024): float32 1.4-1.6x the loop from 300 to
+# 2048 tokens (512 pairs an expert); bfloat16 1.1-1.3x to 1024 tokens (256), but 0.62x at 2048.
+GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED = {torch.float32: 512, torch.bfloat16: 256}
 
 
 class CpuLayerOps(NativeLayerOps):
@@ -143,7 +144,8 @@ class CpuLayerOps(NativeLayerOps):
 
     def _grouped_kernel_applies(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                                 packed: bool = False) -> bool:
-        limit = GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED if packed else GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT
+        limit = (GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED.get(x.dtype, GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT) if packed
+                 else GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT)
         return (x.dim() == 2 and x.dtype in self._grouped_moe_dtypes and w13.dtype == w2.dtype == x.dtype
                 and x.shape[0] * top_k <= limit * w13.shape[0])
 
