@@ -75,16 +75,18 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         w13 = (torch.randn(args.experts, 2 * args.intermediate, args.hidden, generator=generator) * 0.05).to(dtype)
         w2 = (torch.randn(args.experts, args.hidden, args.intermediate, generator=generator) * 0.05).to(dtype)
+        packed = kernels.pack_moe_experts(w13, w2)
         for tokens in args.tokens:
             x, weights, ids = routed(tokens, args.experts, args.top_k, args.hidden, dtype, generator)
             inputs = (x, w13, w2, weights, ids)
             reference = NATIVE.fused_moe(*inputs)
             tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-            for path in (grouped_path, kernels.grouped_moe):
-                torch.testing.assert_close(path(*inputs).float(), reference.float(), rtol=tolerance, atol=tolerance)
+            packed_inputs = (*inputs, packed)  # the kernel with the experts packed at load, as the engine runs it
+            for path, given in ((grouped_path, inputs), (kernels.grouped_moe, packed_inputs)):
+                torch.testing.assert_close(path(*given).float(), reference.float(), rtol=tolerance, atol=tolerance)
             loop = median_ms(NATIVE.fused_moe, inputs, args.repeats, clock)
             grouped = median_ms(grouped_path, inputs, args.repeats, clock)
-            kernel = median_ms(kernels.grouped_moe, inputs, args.repeats, clock)
+            kernel = median_ms(kernels.grouped_moe, packed_inputs, args.repeats, clock)
             print(f"{dtype_name:>9} {tokens:>6} {loop:>13.3f} {grouped:>11.3f} {kernel:>10.3f} {loop / kernel:>8.2f}x")
 
 

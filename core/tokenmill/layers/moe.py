@@ -68,6 +68,16 @@ class UnquantizedFusedMoEMethod:
                             layout="gate_up")
         layer.add_parameter("down_proj", torch.empty(num_experts, hidden_size, inter, dtype=params_dtype),
                             layout="down")
+        layer.register_buffer("prepared_experts", None, persistent=False)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Once, after loading: the platform's prepared (packed) copy of the experts for its
+        ``routed_fused_moe`` op, where it has an optional ``prepare_moe_experts`` op (the CPU
+        platform's kernel packs them into the panels it streams); whole experts only."""
+        w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
+        prepare = getattr(layer_ops(w13.device), "prepare_moe_experts", None)
+        if prepare is not None and not layer.placement.is_partial:
+            setattr(layer, "prepared_experts", prepare(w13, w2))  # noqa: B010 (a buffer)
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -264,6 +274,11 @@ class FusedMoE(nn.Module):
         routed_fused_moe = getattr(layer_ops(hidden.device), "routed_fused_moe", None)
         if routed_fused_moe is None:
             return None
+        prepared = getattr(self, "prepared_experts", None)
+        if prepared is not None:
+            return cast("torch.Tensor | None", routed_fused_moe(hidden, router_logits, self.gate_up_proj,
+                                                                self.down_proj, routing.top_k, routing.renormalize,
+                                                                self.expert_load, prepared=prepared))
         return cast("torch.Tensor | None", routed_fused_moe(hidden, router_logits, self.gate_up_proj, self.down_proj,
                                                             routing.top_k, routing.renormalize, self.expert_load))
 

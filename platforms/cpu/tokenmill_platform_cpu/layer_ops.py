@@ -44,6 +44,11 @@ SMALL_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 6}
 # as fast or faster: at 75 pairs an expert (300 tokens, top-2 of 8, 512 x 1024) the torch
 # grouping ran in 0.8-0.9x the kernel's time, at 16 (64 tokens) in 1.1-1.8x.
 GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT = 32
+# With the experts packed at load (the kernel's lane tiles, kernels/moe_lane_tiles.h) the kernel
+# also wins on prefill chunks, ahead of the reference loop and the torch grouping (session 7,
+# bench-moe-layer.py, one thread, top-2 of 8, 512 x 1024): float32 1.4-1.6x the loop from 300 to
+# 2048 tokens (512 pairs an expert); bfloat16 1.1-1.3x to 1024 tokens (256), but 0.62x at 2048.
+GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED = {torch.float32: 512, torch.bfloat16: 256}
 
 
 class CpuLayerOps(NativeLayerOps):
@@ -115,18 +120,34 @@ class CpuLayerOps(NativeLayerOps):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
         return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, self.silu_and_mul)
 
+    def prepare_moe_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+        """Once, after loading: the experts packed for the kernel's lane tiles (a copy beside
+        them, of their size), for the dtypes the kernel has a vector body for."""
+        if not (w13.dtype == w2.dtype and w13.dtype in self._grouped_moe_dtypes and w13.dim() == w2.dim() == 3):
+            return None
+        return self._kernels.pack_moe_experts(w13, w2)
+
     def routed_fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         top_k: int, renormalize: bool, expert_load: torch.Tensor) -> torch.Tensor | None:
+                         top_k: int, renormalize: bool, expert_load: torch.Tensor,
+                         prepared: torch.Tensor | None = None) -> torch.Tensor | None:
         """A whole MoE layer from its router logits in one kernel call (softmax, top-k, the
         ``expert_load`` count, the experts: ``kernels/grouped_moe.cpp``), which a step graph
-        records, so MoE decode steps replay; None where the kernel does not apply."""
-        if not self._grouped_kernel_applies(x, w13, w2, top_k) or router_logits.dim() != 2:
+        records, so MoE decode steps replay; None where the kernel does not apply.
+        ``prepared``: what ``prepare_moe_experts`` returned (the kernel then runs experts with
+        a block of rows on the packed copy)."""
+        if not self._grouped_kernel_applies(x, w13, w2, top_k, prepared is not None) or router_logits.dim() != 2:
             return None
-        return active_kernels(self._kernels).routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load)
+        kernels = active_kernels(self._kernels)
+        if prepared is None:
+            return kernels.routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load)
+        return kernels.routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load, packed=prepared)
 
-    def _grouped_kernel_applies(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    def _grouped_kernel_applies(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                                packed: bool = False) -> bool:
+        limit = (GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT_PACKED.get(x.dtype, GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT) if packed
+                 else GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT)
         return (x.dim() == 2 and x.dtype in self._grouped_moe_dtypes and w13.dtype == w2.dtype == x.dtype
-                and x.shape[0] * top_k <= GROUPED_KERNEL_MAX_PAIRS_PER_EXPERT * w13.shape[0])
+                and x.shape[0] * top_k <= limit * w13.shape[0])
 
     # -- LoRA (tokenmill.lora.layers.LoRADeltaOps): the C++ kernel, which step graphs can record --
     def lora_delta_supported(self, dtype: torch.dtype) -> bool:

@@ -79,10 +79,11 @@ class _Recorder:
         self._counts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a counter, its values before the capture)
 
     def routed_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   top_k: int, renormalize: bool, expert_load: torch.Tensor) -> torch.Tensor:
+                   top_k: int, renormalize: bool, expert_load: torch.Tensor,
+                   packed: torch.Tensor | None = None) -> torch.Tensor:
         with torch._C.DisableTorchFunction():  # a copy of our own, not a call of the forward's
             self._counts.append((expert_load, expert_load.clone()))
-        return self.graph.routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load)
+        return self.graph.routed_moe(x, router_logits, w13, w2, top_k, renormalize, expert_load, packed=packed)
 
     def restore_counts(self) -> None:
         """Undo the capture run's additions to counters: a failed capture's step reruns eagerly."""

@@ -62,7 +62,7 @@ _SOURCES = [Path(__file__).with_name(name)
                           "thread_binding.cpp", "lora_delta.cpp",
                           "grouped_moe.cpp")]
 _HEADERS = [Path(__file__).with_name(name)
-            for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h", "vector_avx2.h")]
+            for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h", "vector_avx2.h", "moe_lane_tiles.h")]
 # -ffast-math for the reassociated (vectorised) reductions, but not its finite-math
 # assumption: error isolation finds a broken request by the NaN or inf in its logits,
 # which every kernel on the way to them must carry through, not fold away (and

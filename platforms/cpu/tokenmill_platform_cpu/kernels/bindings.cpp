@@ -20,9 +20,11 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
                     at::Tensor slot_mapping);
 at::Tensor lora_delta_(at::Tensor x, at::Tensor out, at::Tensor lora_a, at::Tensor lora_b_t, at::Tensor token_slots,
                        int64_t num_slots, std::vector<int64_t> slices);
-at::Tensor grouped_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights, at::Tensor topk_ids);
+at::Tensor grouped_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights, at::Tensor topk_ids,
+                       c10::optional<at::Tensor> packed);
 at::Tensor routed_moe(at::Tensor x, at::Tensor router_logits, at::Tensor w13, at::Tensor w2, int64_t top_k,
-                      bool renormalize, at::Tensor expert_load);
+                      bool renormalize, at::Tensor expert_load, c10::optional<at::Tensor> packed);
+at::Tensor pack_moe_experts(at::Tensor w13, at::Tensor w2);
 std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor router_logits, int64_t top_k, bool renormalize);
 std::vector<std::string> grouped_moe_dtypes();
 void bind_step_graph(pybind11::module& m);
@@ -41,8 +43,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32, decode batch sizes)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");
   m.def("lora_delta_", &lora_delta_, "out[t] += B_s A_s x[t] by each token's adapter slot, in place (float32)");
-  m.def("grouped_moe", &grouped_moe, "A MoE layer's experts for [T, k] routed tokens in one call (float32 or bfloat16)");
-  m.def("routed_moe", &routed_moe, "A MoE layer from its router logits: softmax top-k, expert load, experts");
+  m.def("grouped_moe", &grouped_moe, "A MoE layer's experts for [T, k] routed tokens in one call (float32 or bfloat16)",
+        pybind11::arg("x"), pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("topk_weights"),
+        pybind11::arg("topk_ids"), pybind11::arg("packed") = pybind11::none());
+  m.def("routed_moe", &routed_moe, "A MoE layer from its router logits: softmax top-k, expert load, experts",
+        pybind11::arg("x"), pybind11::arg("router_logits"), pybind11::arg("w13"), pybind11::arg("w2"),
+        pybind11::arg("top_k"), pybind11::arg("renormalize"), pybind11::arg("expert_load"),
+        pybind11::arg("packed") = pybind11::none());
+  m.def("pack_moe_experts", &pack_moe_experts, "w13, w2 -> the grouped MoE kernel's packed expert tiles (float32 or bfloat16)");
   m.def("moe_route", &moe_route, "Softmax then top-k routing (weights float32, ids int64), optionally renormalised");
   m.def("grouped_moe_dtypes", &grouped_moe_dtypes, "The dtypes grouped_moe has a vector body for");
   bind_step_graph(m);

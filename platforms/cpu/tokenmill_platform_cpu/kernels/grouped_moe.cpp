@@ -38,6 +38,7 @@
 // step graph records that as one call (step_graph.cpp).
 #include <ATen/ATen.h>
 
+#include "moe_lane_tiles.h"
 #include "thread_pool.h"
 #include "vector_expf.h"
 
@@ -46,6 +47,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -58,6 +60,10 @@ constexpr int kTileRows = 4;       // pair rows per micro-tile
 constexpr int kTileWeights = 4;    // weight rows per micro-tile (gate/up: two columns' gate and up rows)
 constexpr int64_t kRowBlock = 64;  // pair rows per pass over an item's weights (they stay in L2 between passes)
 constexpr int64_t kItemsPerThread = 16;
+// Experts with at least this many pair rows take the lane tiles (moe_lane_tiles.h) where the
+// weights were packed for them; fewer rows would leave most of a 16-lane block empty.
+constexpr int64_t kLaneMinRows = 6;
+namespace lanes = tokenmill::moe_lanes;
 
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
@@ -221,8 +227,8 @@ struct Item {
 };
 
 // Each expert with rows cut into column blocks of about equal cost (a weight row read from
-// memory ~ kLoadCost row products), at least `step` columns wide (a multiple of it).
-std::vector<Item> balanced_items(const Groups& g, int64_t columns, int64_t step) {
+// memory ~ kLoadCost row products), at least step_of(expert) columns wide (a multiple of it).
+std::vector<Item> balanced_items(const Groups& g, int64_t columns, const std::function<int64_t(int64_t)>& step_of) {
   constexpr int64_t kLoadCost = 8;
   const int64_t experts = static_cast<int64_t>(g.start.size()) - 1;
   int64_t total = 0;
@@ -235,7 +241,7 @@ std::vector<Item> balanced_items(const Groups& g, int64_t columns, int64_t step)
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = g.start[e + 1] - g.start[e];
     if (!rows) continue;
-    const int64_t cost = columns * (kLoadCost + rows);
+    const int64_t cost = columns * (kLoadCost + rows), step = step_of(e);
     const int64_t blocks = std::clamp<int64_t>(cost / target, 1, (columns + step - 1) / step);
     const int64_t width = ((columns + blocks - 1) / blocks + step - 1) / step * step;
     for (int64_t c = 0; c < columns; c += width) items.push_back({e, c, std::min(columns, c + width)});
@@ -259,7 +265,124 @@ struct Problem {
   const T* w2;           // [E, H, I]
   const float* weights;  // [P] routing weight of each pair
   int64_t top_k, hidden, inter;
+  int64_t experts = 0;
+  const T* packed = nullptr;  // pack_moe_experts(w13, w2), or none
 };
+
+// The experts that take the lane tiles: their rows packed in blocks of lanes::kLanes.
+template <typename T>
+struct LaneBlocks {
+  std::vector<int64_t> first;  // [E]: the expert's first block; -1: the expert takes the dot tiles
+  at::Tensor x;                // [blocks, block_size(H)]: the gathered token rows
+  at::Tensor h;                // [blocks, block_size(I)]: silu(gate) * up, written by the gate/up pass
+  bool takes(int64_t expert) const { return first[expert] >= 0; }
+};
+
+template <typename T>
+LaneBlocks<T> lane_blocks(const Problem<T>& pb, const Groups& g, const std::vector<int64_t>& token_at) {
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1, H = pb.hidden;
+  LaneBlocks<T> lb;
+  lb.first.assign(E, -1);
+  int64_t blocks = 0;
+  for (int64_t e = 0; e < E && pb.packed != nullptr && has_vector_body<T>(); ++e) {
+    const int64_t rows = g.start[e + 1] - g.start[e];
+    if (rows < kLaneMinRows) continue;
+    lb.first[e] = blocks;
+    blocks += lanes::tiles(rows, lanes::kLanes);
+  }
+  const auto dtype = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  lb.x = at::empty({blocks * lanes::block_size<T>(H)}, at::TensorOptions().dtype(dtype));
+  lb.h = at::zeros({blocks * lanes::block_size<T>(pb.inter)}, at::TensorOptions().dtype(dtype));
+  T* x = lb.x.template data_ptr<T>();
+  for (int64_t e = 0; e < E; ++e) {
+    if (!lb.takes(e)) continue;
+    for (int64_t p = g.start[e], b = lb.first[e]; p < g.start[e + 1]; p += lanes::kLanes, ++b) {
+      const T* rows[lanes::kLanes];
+      const int count = static_cast<int>(std::min<int64_t>(lanes::kLanes, g.start[e + 1] - p));
+      for (int m = 0; m < count; ++m) rows[m] = pb.x + token_at[p + m] * H;
+      lanes::pack_rows(rows, count, H, x + b * lanes::block_size<T>(H));
+    }
+  }
+  return lb;
+}
+
+#if defined(__AVX512F__)
+// The lane tiles' gate/up for an item (columns a multiple of kGateCols): h in blocks.
+template <typename T>
+void gate_up_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T>& lb, const Item& item) {
+  constexpr int kCols = lanes::kGateCols, kLanes = lanes::kLanes;
+  constexpr int64_t width = lanes::step_width<T>();
+  const int64_t H = pb.hidden, I = pb.inter;
+  const int64_t rows = g.start[item.expert + 1] - g.start[item.expert], blocks = lanes::tiles(rows, kLanes);
+  const T* panels = pb.packed + item.expert * lanes::gate_up_expert_size<T>(H, I);
+  const T* x = lb.x.template data_ptr<T>() + lb.first[item.expert] * lanes::block_size<T>(H);
+  T* h = lb.h.template data_ptr<T>() + lb.first[item.expert] * lanes::block_size<T>(I);
+  for (int64_t t = item.begin / kCols; t * kCols < item.end; ++t) {
+    const T* panel = panels + t * lanes::gate_up_tile_size<T>(H);
+    const int columns = static_cast<int>(std::min<int64_t>(kCols, I - t * kCols));
+    for (int64_t b = 0; b < blocks; ++b) {
+      auto activate = [&](auto& acc) {
+        alignas(64) float gate[kCols * kLanes], up[kCols * kLanes];
+#pragma GCC unroll 16
+        for (int j = 0; j < kCols; ++j) {
+          lanes::store_lanes(gate + j * kLanes, acc[j]);
+          lanes::store_lanes(up + j * kLanes, acc[kCols + j]);
+        }
+#pragma omp simd
+        for (int i = 0; i < kCols * kLanes; ++i) {
+          const float gi = as_stored<T>(gate[i]);
+          gate[i] = gi / (1.f + std::exp(-gi)) * as_stored<T>(up[i]);
+        }
+        T* dst = h + b * lanes::block_size<T>(I);
+        for (int j = 0; j < columns; ++j) {
+          const int64_t c = t * kCols + j;
+          T* column = dst + c / width * kLanes * width + c % width;
+          for (int m = 0; m < kLanes; ++m) column[m * width] = static_cast<T>(gate[j * kLanes + m]);
+        }
+      };
+      const T* xb = x + b * lanes::block_size<T>(H);
+      if (rows - b * kLanes <= kLanes / 2)
+        lanes::half_lane_tile<T, 2 * kCols, 2 * kCols>(panel, 0, xb, lanes::steps<T>(H), activate);
+      else
+        lanes::lane_tile<T, 2 * kCols, 2 * kCols>(panel, 0, xb, lanes::steps<T>(H), activate);
+    }
+  }
+}
+
+// The lane tiles' down for an item (columns a multiple of kDownCols): by_pair as down_item's.
+template <typename T>
+void down_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T>& lb, const Item& item,
+                    float* by_pair) {
+  constexpr int kCols = lanes::kDownCols, kLanes = lanes::kLanes;
+  const int64_t H = pb.hidden, I = pb.inter;
+  const int64_t first = g.start[item.expert], rows = g.start[item.expert + 1] - first;
+  const T* panels = pb.packed + pb.experts * lanes::gate_up_expert_size<T>(H, I) +
+                    item.expert * lanes::down_expert_size<T>(H, I);
+  const T* h = lb.h.template data_ptr<T>() + lb.first[item.expert] * lanes::block_size<T>(I);
+  for (int64_t t = item.begin / kCols; t * kCols < item.end; ++t) {
+    const T* panel = panels + t * lanes::down_tile_size<T>(I);
+    const int columns = static_cast<int>(std::min<int64_t>(kCols, H - t * kCols));
+    for (int64_t b = 0; b * kLanes < rows; ++b) {
+      auto scatter = [&](auto& acc) {
+        alignas(64) float sums[kCols * kLanes];
+#pragma GCC unroll 24
+        for (int j = 0; j < kCols; ++j) lanes::store_lanes(sums + j * kLanes, acc[j]);
+        const int count = static_cast<int>(std::min<int64_t>(kLanes, rows - b * kLanes));
+        for (int m = 0; m < count; ++m) {
+          const int64_t pair = g.pair_at[first + b * kLanes + m];
+          float* dst = by_pair + pair * H + t * kCols;
+          for (int j = 0; j < columns; ++j) dst[j] = pb.weights[pair] * as_stored<T>(sums[j * kLanes + m]);
+        }
+      };
+      const T* hb = h + b * lanes::block_size<T>(I);
+      if (rows - b * kLanes <= kLanes / 2)
+        lanes::half_lane_tile<T, kCols, kCols>(panel, 0, hb, lanes::steps<T>(I), scatter);
+      else
+        lanes::lane_tile<T, kCols, kCols>(panel, 0, hb, lanes::steps<T>(I), scatter);
+    }
+  }
+}
+#endif
 
 // h[position, begin:end] = silu(gate) * up for the expert's rows. A row block's gate and
 // up sums are kept (float32, the item's width) and activated in one vectorised pass:
@@ -338,15 +461,35 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
     token_at[p] = g.pair_at[p] / pb.top_k;
     position[p] = p;
   }
+  const LaneBlocks<T> lb = lane_blocks(pb, g, token_at);
   std::vector<T> h(static_cast<size_t>(pairs * I));
   std::vector<float> by_pair(static_cast<size_t>(pairs * H));
-  const auto up_items = balanced_items(g, I, 2);
+  const auto up_items = balanced_items(g, I, [&](int64_t e) -> int64_t { return lb.takes(e) ? lanes::kGateCols : 2; });
   tokenmill::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) gate_up_item(pb, g, token_at, up_items[i], h.data());
+    for (int64_t i = begin; i < end; ++i) {
+#if defined(__AVX512F__)
+      if constexpr (has_vector_body<T>())
+        if (lb.takes(up_items[i].expert)) {
+          gate_up_lane_item(pb, g, lb, up_items[i]);
+          continue;
+        }
+#endif
+      gate_up_item(pb, g, token_at, up_items[i], h.data());
+    }
   });
-  const auto down_items = balanced_items(g, H, kTileWeights);
+  const auto down_items =
+      balanced_items(g, H, [&](int64_t e) -> int64_t { return lb.takes(e) ? lanes::kDownCols : kTileWeights; });
   tokenmill::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) down_item(pb, g, position, down_items[i], h.data(), by_pair.data());
+    for (int64_t i = begin; i < end; ++i) {
+#if defined(__AVX512F__)
+      if constexpr (has_vector_body<T>())
+        if (lb.takes(down_items[i].expert)) {
+          down_lane_item(pb, g, lb, down_items[i], by_pair.data());
+          continue;
+        }
+#endif
+      down_item(pb, g, position, down_items[i], h.data(), by_pair.data());
+    }
   });
   const int64_t k = pb.top_k;
   tokenmill::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * k)),
@@ -357,6 +500,41 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
         for (int64_t s = 0; s < k; ++s) sum += by_pair[(t * k + s) * H + c];
         out[t * H + c] = static_cast<T>(sum);
       }
+  });
+}
+
+int64_t packed_experts_size(at::ScalarType dtype, int64_t E, int64_t H, int64_t I) {
+  if (dtype == at::kFloat)
+    return E * (lanes::gate_up_expert_size<float>(H, I) + lanes::down_expert_size<float>(H, I));
+  return E * (lanes::gate_up_expert_size<bf16>(H, I) + lanes::down_expert_size<bf16>(H, I));
+}
+
+template <typename T>
+void pack_experts(const T* w13, const T* w2, int64_t E, int64_t H, int64_t I, T* dst) {
+  T* down = dst + E * lanes::gate_up_expert_size<T>(H, I);
+  tokenmill::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const T* gate_up = w13 + e * 2 * I * H;
+      for (int64_t t = 0; t < lanes::tiles(I, lanes::kGateCols); ++t) {
+        const T* rows[2 * lanes::kGateCols];
+        for (int j = 0; j < lanes::kGateCols; ++j) {
+          const int64_t c = t * lanes::kGateCols + j;
+          rows[j] = c < I ? gate_up + c * H : nullptr;
+          rows[lanes::kGateCols + j] = c < I ? gate_up + (I + c) * H : nullptr;
+        }
+        lanes::pack_tile(rows, 2 * lanes::kGateCols, H,
+                         dst + e * lanes::gate_up_expert_size<T>(H, I) + t * lanes::gate_up_tile_size<T>(H));
+      }
+      for (int64_t t = 0; t < lanes::tiles(H, lanes::kDownCols); ++t) {
+        const T* rows[lanes::kDownCols];
+        for (int j = 0; j < lanes::kDownCols; ++j) {
+          const int64_t c = t * lanes::kDownCols + j;
+          rows[j] = c < H ? w2 + (e * H + c) * I : nullptr;
+        }
+        lanes::pack_tile(rows, lanes::kDownCols, I,
+                         down + e * lanes::down_expert_size<T>(H, I) + t * lanes::down_tile_size<T>(I));
+      }
+    }
   });
 }
 
@@ -376,23 +554,30 @@ void check_out(const at::Tensor& x, const at::Tensor& out) {
               "grouped_moe: out must be a contiguous tensor of x's shape and dtype");
 }
 
+// packed: pack_moe_experts(w13, w2) or an undefined tensor (the dot tiles for every expert)
 void experts_out(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
-                 const at::Tensor& ids, at::Tensor& out) {
+                 const at::Tensor& ids, const at::Tensor& packed, at::Tensor& out) {
   const int64_t tokens = x.size(0), E = w13.size(0);
   const int64_t* id_ptr = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < ids.numel(); ++p)
     TORCH_CHECK(id_ptr[p] >= 0 && id_ptr[p] < E, "grouped_moe: expert id ", id_ptr[p], " outside 0..", E - 1);
+  if (packed.defined())
+    TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
+                    packed.numel() == packed_experts_size(x.scalar_type(), E, x.size(1), w2.size(2)),
+                "grouped_moe: packed is not pack_moe_experts(w13, w2) of these experts");
   if (tokens == 0) return;
   auto xs = x.contiguous();
   auto a = w13.contiguous();
   auto b = w2.contiguous();
   if (x.scalar_type() == at::kFloat) {
     const Problem<float> pb{xs.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), weights.data_ptr<float>(),
-                            ids.size(1), x.size(1), w2.size(2)};
+                            ids.size(1), x.size(1), w2.size(2), E,
+                            packed.defined() ? packed.data_ptr<float>() : nullptr};
     run_experts(pb, id_ptr, tokens, E, out.data_ptr<float>());
   } else {
     const Problem<bf16> pb{xs.data_ptr<bf16>(), a.data_ptr<bf16>(), b.data_ptr<bf16>(), weights.data_ptr<float>(),
-                           ids.size(1), x.size(1), w2.size(2)};
+                           ids.size(1), x.size(1), w2.size(2), E,
+                           packed.defined() ? packed.data_ptr<bf16>() : nullptr};
     run_experts(pb, id_ptr, tokens, E, out.data_ptr<bf16>());
   }
 }
@@ -442,26 +627,29 @@ std::vector<std::string> grouped_moe_dtypes() {
 
 // As grouped_moe, into out (a contiguous tensor of x's shape and dtype).
 void grouped_moe_out(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
-                     const at::Tensor& topk_ids, at::Tensor& out) {
+                     const at::Tensor& topk_ids, const at::Tensor& packed, at::Tensor& out) {
   check_experts(x, w13, w2);
   check_out(x, out);
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(),
               "grouped_moe: topk_weights and topk_ids [T, k]");
-  experts_out(x, w13, w2, topk_weights.to(at::kFloat).contiguous(), topk_ids.to(at::kLong).contiguous(), out);
+  experts_out(x, w13, w2, topk_weights.to(at::kFloat).contiguous(), topk_ids.to(at::kLong).contiguous(), packed, out);
 }
 
 // x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights [T, k],
-// topk_ids [T, k] -> [T, H]: what LayerOps.fused_moe computes.
-at::Tensor grouped_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights, at::Tensor topk_ids) {
+// topk_ids [T, k] -> [T, H]: what LayerOps.fused_moe computes. packed: pack_moe_experts(w13, w2)
+// if the caller keeps one (experts with a block of rows then take the lane tiles).
+at::Tensor grouped_moe(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights, at::Tensor topk_ids,
+                       c10::optional<at::Tensor> packed) {
   auto out = at::empty(x.sizes(), x.options());
-  grouped_moe_out(x, w13, w2, topk_weights, topk_ids, out);
+  grouped_moe_out(x, w13, w2, topk_weights, topk_ids, packed.value_or(at::Tensor()), out);
   return out;
 }
 
 // The whole layer from the router's logits [T, E]: softmax routing to top_k experts
 // (renormalised if asked), expert_load [E] (int64) += the pairs of each expert, then the experts.
 void routed_moe_out(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13, const at::Tensor& w2,
-                    int64_t top_k, bool renormalize, at::Tensor& expert_load, at::Tensor& out) {
+                    int64_t top_k, bool renormalize, at::Tensor& expert_load, const at::Tensor& packed,
+                    at::Tensor& out) {
   check_experts(x, w13, w2);
   check_out(x, out);
   const int64_t E = w13.size(0);
@@ -474,13 +662,13 @@ void routed_moe_out(const at::Tensor& x, const at::Tensor& router_logits, const 
   auto ids = at::empty({x.size(0), top_k}, x.options().dtype(at::kLong));
   route(router_logits, top_k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>(),
         expert_load.data_ptr<int64_t>());
-  experts_out(x, w13, w2, weights, ids, out);
+  experts_out(x, w13, w2, weights, ids, packed, out);
 }
 
 at::Tensor routed_moe(at::Tensor x, at::Tensor router_logits, at::Tensor w13, at::Tensor w2, int64_t top_k,
-                      bool renormalize, at::Tensor expert_load) {
+                      bool renormalize, at::Tensor expert_load, c10::optional<at::Tensor> packed) {
   auto out = at::empty(x.sizes(), x.options());
-  routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, out);
+  routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, packed.value_or(at::Tensor()), out);
   return out;
 }
 
@@ -492,4 +680,23 @@ std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor router_logits, int64_t t
   auto ids = at::empty({router_logits.size(0), top_k}, router_logits.options().dtype(at::kLong));
   route(router_logits, top_k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>(), nullptr);
   return {weights, ids};
+}
+
+// The experts' weights in the lane tiles' packed layout (moe_lane_tiles.h), once at load: a
+// copy beside them of the same size (plus padding to whole tiles).
+at::Tensor pack_moe_experts(at::Tensor w13, at::Tensor w2) {
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() == w2.scalar_type() &&
+                  (w13.scalar_type() == at::kFloat || w13.scalar_type() == at::kBFloat16),
+              "pack_moe_experts: float32 or bfloat16 w13 [E, 2I, H] and w2 [E, H, I]");
+  const int64_t E = w13.size(0), H = w13.size(2), I = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * I && w2.size(0) == E && w2.size(1) == H,
+              "pack_moe_experts: w13 [E, 2I, H] and w2 [E, H, I] do not agree");
+  auto a = w13.contiguous();
+  auto b = w2.contiguous();
+  auto packed = at::empty({packed_experts_size(w13.scalar_type(), E, H, I)}, w13.options());
+  if (w13.scalar_type() == at::kFloat)
+    pack_experts(a.data_ptr<float>(), b.data_ptr<float>(), E, H, I, packed.data_ptr<float>());
+  else
+    pack_experts(a.data_ptr<bf16>(), b.data_ptr<bf16>(), E, H, I, packed.data_ptr<bf16>());
+  return packed;
 }

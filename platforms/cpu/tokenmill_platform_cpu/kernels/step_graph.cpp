@@ -50,7 +50,8 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
 void lora_delta_out(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                     const at::Tensor& token_slots, int64_t num_slots, const std::vector<int64_t>& slices);
 void routed_moe_out(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13, const at::Tensor& w2,
-                    int64_t top_k, bool renormalize, at::Tensor& expert_load, at::Tensor& out);
+                    int64_t top_k, bool renormalize, at::Tensor& expert_load, const at::Tensor& packed,
+                    at::Tensor& out);
 
 class GraphPool {
  public:
@@ -141,10 +142,11 @@ class StepGraph {
   // A whole MoE layer from its router logits (grouped_moe.cpp): each replay routes the tokens
   // anew and adds their pairs to expert_load.
   at::Tensor routed_moe(at::Tensor x, at::Tensor router_logits, at::Tensor w13, at::Tensor w2, int64_t top_k,
-                        bool renormalize, at::Tensor expert_load) {
+                        bool renormalize, at::Tensor expert_load, c10::optional<at::Tensor> packed) {
     auto out = buffer(x.sizes(), x.options());
+    const at::Tensor panels = packed.value_or(at::Tensor());
     return record("routed_moe", [=]() mutable {
-      routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, out);
+      routed_moe_out(x, router_logits, w13, w2, top_k, renormalize, expert_load, panels, out);
     }, out);
   }
 
@@ -258,7 +260,9 @@ void bind_step_graph(pybind11::module& m) {
       .def("paged_attention", &StepGraph::paged_attention)
       .def("write_kv_cache", &StepGraph::write_kv_cache)
       .def("lora_delta_", &StepGraph::lora_delta_)
-      .def("routed_moe", &StepGraph::routed_moe)
+      .def("routed_moe", &StepGraph::routed_moe, pybind11::arg("x"), pybind11::arg("router_logits"),
+           pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("top_k"), pybind11::arg("renormalize"),
+           pybind11::arg("expert_load"), pybind11::arg("packed") = pybind11::none())
       .def("embedding", &StepGraph::embedding)
       .def("contiguous", &StepGraph::contiguous)
       .def("cat", &StepGraph::cat)
