@@ -206,8 +206,10 @@ def _build(folder: Path) -> ModuleType:
     try:
         _seed_from_previous_build(staging, folder.parent)
         with _packaged_ninja_first(folder.parent), build_progress.reported(staging, len(_SOURCES)):
+            # copies of the flag lists: torch appends its libraries to the ldflags it is given, which
+            # would change build_directory()'s key for the rest of this process
             module = load(name=MODULE_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=compile_flags(),
-                          extra_ldflags=LDFLAGS, extra_include_paths=[str(native_include_dir())],
+                          extra_ldflags=list(LDFLAGS), extra_include_paths=[str(native_include_dir())],
                           build_directory=str(staging), verbose=False)
         (staging / _CPU_FILE).write_text(_build_target())
         staging.chmod(0o755)  # mkdtemp's folder is the owner's alone
