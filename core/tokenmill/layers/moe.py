@@ -73,10 +73,11 @@ class UnquantizedFusedMoEMethod:
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Once, after loading: the platform's prepared (packed) copy of the experts for its
         ``routed_fused_moe`` op, where it has an optional ``prepare_moe_experts`` op (the CPU
-        platform's kernel packs them into the panels it streams); whole experts only."""
+        platform's kernel packs them into the panels it streams); only for a layer whose
+        routing runs in that op (``FusedMoE.routes_in_one_op``: whole experts, softmax top-k)."""
         w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
         prepare = getattr(layer_ops(w13.device), "prepare_moe_experts", None)
-        if prepare is not None and not layer.placement.is_partial:
+        if prepare is not None and layer.routes_in_one_op():
             setattr(layer, "prepared_experts", prepare(w13, w2))  # noqa: B010 (a buffer)
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -261,15 +262,21 @@ class FusedMoE(nn.Module):
             out = self.quant_method.apply(self, hidden, weights, ids)
         return self.comm.all_reduce(out) if self.reduce_results else out
 
+    def routes_in_one_op(self) -> bool:
+        """Whether this layer's routing and experts can run as one op of the platform's
+        (``_route_and_run_in_one_op``): plain softmax top-k routing of experts held whole. The
+        plain method prepares a packed copy of the experts only then, the only path that reads it."""
+        routing = self.routing
+        return not (self.placement.is_partial or routing.scoring != "softmax" or routing.num_groups > 1
+                    or routing.correction_bias or routing.scaling_factor != 1.0)
+
     def _route_and_run_in_one_op(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor | None:
         """Plain softmax top-k routing of plain experts held whole, as one op of the platform's
         where it has one (an optional ``routed_fused_moe`` layer op: the CPU platform's kernel,
         which its step graphs record, so that MoE decode steps replay; it counts
         ``expert_load`` too); None otherwise, or where that op declines the tensors."""
         routing = self.routing
-        if (self.placement.is_partial or type(self.quant_method) is not UnquantizedFusedMoEMethod
-                or routing.scoring != "softmax" or routing.num_groups > 1 or routing.correction_bias
-                or routing.scaling_factor != 1.0):
+        if type(self.quant_method) is not UnquantizedFusedMoEMethod or not self.routes_in_one_op():
             return None
         routed_fused_moe = getattr(layer_ops(hidden.device), "routed_fused_moe", None)
         if routed_fused_moe is None:

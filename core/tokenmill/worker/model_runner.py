@@ -432,7 +432,7 @@ class ModelRunner:
             if end > start:
                 flat = int(inputs.query_start[i])
                 self.compute_logits(hidden, slice(flat, flat + end - start))
-        mask = inputs.sample_mask & ~self.batch.is_pooling[inputs.rows]
+        mask = inputs.sample_mask & ~self.batch.samples_nothing[inputs.rows]  # the rows _sample keeps
         if mask.any():
             rows = torch.from_numpy(inputs.query_start[1:][mask] - 1).to(self.device)
             self.compute_logits(hidden, rows)

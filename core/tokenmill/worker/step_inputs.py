@@ -87,7 +87,7 @@ def _decode_step_inputs(batch: InputBatch, rows: np.ndarray, device: torch.devic
     """``build_step_inputs`` for a step of one token per scheduled row (every decode step):
     the same inputs, without the per-token gathers a step of longer queries needs, since
     token ``i`` is row ``i``'s only one, at position ``num_computed_tokens``. At small
-    batches a step's fixed cost is these numpy calls (tests/test_step_inputs.py checks
+    batches a step's fixed cost is these numpy calls (tests/test_step_overhead.py checks
     the two builders agree)."""
     num_reqs = len(rows)
     block_size = batch.block_size

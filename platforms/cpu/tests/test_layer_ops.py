@@ -146,6 +146,16 @@ def test_packing_stops_at_its_memory_budget():
     assert ops.prepare_linear_weight(torch.randn(8, 8)) is None  # the budget is spent
 
 
+def test_packed_experts_take_from_the_same_budget():
+    """The MoE lane tiles' packed copy of a layer's experts is charged like a linear layer's
+    panels: a layer past what is left stays unpacked (the kernel's row-dot tiles run it)."""
+    w13, w2 = torch.randn(4, 2 * 32, 64), torch.randn(4, 64, 32)
+    ops = CpuLayerOps(load_kernels(), packed_budget=w13.nbytes + w2.nbytes + 64 * 64 * 4)
+    if ops.prepare_moe_experts(w13, w2) is None:
+        pytest.skip("this build has no grouped MoE kernel for float32")
+    assert ops.prepare_moe_experts(w13, w2) is None  # the first copy left less than a second needs
+
+
 # bfloat16 is compared after one rounding of the float32 result; float32 against float64
 _SMALL_LINEAR_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-5}}
 

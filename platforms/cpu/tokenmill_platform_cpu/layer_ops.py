@@ -122,10 +122,16 @@ class CpuLayerOps(NativeLayerOps):
 
     def prepare_moe_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
         """Once, after loading: the experts packed for the kernel's lane tiles (a copy beside
-        them, of their size), for the dtypes the kernel has a vector body for."""
+        them, of their size plus tile padding), for the dtypes the kernel has a vector body for,
+        charged to the same packed-weight budget as the linear layers' panels (past it the
+        experts stay unpacked: the kernel's row-dot tiles run them)."""
         if not (w13.dtype == w2.dtype and w13.dtype in self._grouped_moe_dtypes and w13.dim() == w2.dim() == 3):
             return None
-        return self._kernels.pack_moe_experts(w13, w2)
+        if w13.nbytes + w2.nbytes > self._packed_budget:
+            return None
+        packed = self._kernels.pack_moe_experts(w13, w2)
+        self._packed_budget -= packed.nbytes
+        return packed
 
     def routed_fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          top_k: int, renormalize: bool, expert_load: torch.Tensor,

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from tokenmill.plugin_api import import_built_extension, native_include_dir, publish_parallel_backend
+from tokenmill.plugin_api import import_built_extension, native_headers, native_include_dir, publish_parallel_backend
 from tokenmill_platform_cpu.kernels import build_lock, build_progress
 
 logger = logging.getLogger(__name__)
@@ -149,14 +149,10 @@ def build_directory() -> Path:
     key = hashlib.sha1()
     for source in _SOURCES + _HEADERS:
         key.update(str(source).encode() + b"\0" + source.read_bytes() + b"\0")
-    for header in _core_headers():  # the parallel-loop seam's table (thread_pool.cpp fills it)
+    for header in native_headers():  # the parallel-loop seam's table (thread_pool.cpp fills it)
         key.update(header.read_bytes() + b"\0")
     key.update(" ".join(compile_flags() + LDFLAGS).encode() + b"\0" + _cpu_features().encode())
     return environment_directory() / key.hexdigest()[:16]
-
-
-def _core_headers() -> list[Path]:
-    return sorted(native_include_dir().rglob("*.h"))
 
 
 def library_path(folder: Path) -> Path:
