@@ -1,7 +1,7 @@
 """LoRA on a quantized base: a GPTQ checkpoint, and online fp8 and int8 of a float one.
 
-The base layer computes with its quantized weights (and, for fp8 and int8, activations
-rounded per token); the adapter adds ``x A^T B^T`` on the unrounded activations, in float32.
+The base layer computes with its quantized weights (and, for int8, and fp8 where the CPU's
+weight-only fp8 kernel does not run, activations rounded per token); the adapter adds ``x A^T B^T`` on the unrounded activations, in float32.
 The reference computes the same thing independently: transformers on the base's dequantised
 twin with peft's adapter on top, each base linear's input rounded per token as the method
 rounds it (e4m3 with ``max|x| / 448``, int8 with ``max|x| / 127``) while peft's LoRA branch
@@ -68,14 +68,23 @@ def _generate(folder: Path, options: dict[str, object], loras: list[LoRARequest 
 
 
 def _round_per_token(kind: str, x: torch.Tensor) -> torch.Tensor:
-    """A base linear's input as the quantized method sees it (GPTQ: weight-only, untouched)."""
-    if kind == "gptq":
+    """A base linear's input as the quantized method sees it (GPTQ, and fp8 on the CPU's
+    weight-only kernel where it builds: untouched)."""
+    if kind == "gptq" or (kind == "fp8" and _fp8_weight_only()):
         return x
     top = 448.0 if kind == "fp8" else 127.0
     scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
     if kind == "fp8":
         return (x / scale).clamp(-top, top).to(torch.float8_e4m3fn).float() * scale
     return torch.round(x / scale).clamp(-top, top) * scale
+
+
+def _fp8_weight_only() -> bool:
+    """Whether fp8 layers run the CPU's weight-only kernel (quantization/fp8's cpu_kernel.py),
+    which multiplies the float activations as they are."""
+    from tokenmill_quant_fp8.cpu_kernel import load_fp8_cpu_kernel
+
+    return load_fp8_cpu_kernel() is not None
 
 
 def _with_adapter(kind: str, adapter: str | None):

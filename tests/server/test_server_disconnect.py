@@ -59,7 +59,9 @@ def test_disconnect_before_the_first_token_aborts(single_seq):
                     "model": MODEL, "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
             _wait_for(lambda: single_seq.stats()["client_disconnects"] == before + 1)
             stats = single_seq.stats()
-            assert stats["unfinished"] == 1 and stats["running"] == 1, stats  # only the blocker is left
+            # only the blocker is left (not "running == 1": between two of its samples, which run
+            # one after another in the one slot, none is running for an instant)
+            assert stats["unfinished"] == 1, stats
     _assert_clean(single_seq, before, disconnects=2)
 
 
