@@ -6,19 +6,14 @@ transformers on their dequantised weights).
 
 Legacy blocks are packed by ``gguf.quants.quantize`` (the real on-disk bytes); the K-quants, which
 the gguf package cannot pack, by the tests' ``k_quantizer`` and as random bytes in their layout
-(every scale, min and high bit field takes arbitrary values).
-
-The interpreter has to be on before triton is first imported, and in a whole test run another
-module has imported it long before this one: the interpreted cases run in a child pytest with
-``TRITON_INTERPRET=1``, started by one test here (setting the variable in this process would
-also leak into every later test)."""
+(every scale, min and high bit field takes arbitrary values). The interpreted cases run in a child
+pytest (:func:`tokenmill.testing.child.run_pytest_child`: the interpreter is read when triton is
+first imported, and setting it here would leak into every later test)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +37,12 @@ SHAPES = [(1, 3, 37, "quantized"), (7, 2, 5, "quantized"), (7, 3, 37, "random")]
 CASES = [(qtype, *shape) for qtype in TYPES for shape in SHAPES if shape[3] == "quantized" or qtype in K_QUANTS]
 
 
-@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="this is the child run, or a GPU runs the kernel")
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
 def test_the_interpreted_cases_pass_under_the_interpreter():
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "interpreted_kernel"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                           text=True)
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert f"{len(CASES) + 1} passed" in child.stdout, child.stdout[-2000:]  # the cases, and the merged layer
+    from tokenmill.testing.child import run_pytest_child
+
+    output = run_pytest_child(__file__, env={"TRITON_INTERPRET": "1"}, extra_args=["-k", "interpreted_kernel"])
+    assert f"{len(CASES) + 1} passed" in output, output[-2000:]  # the cases, and the merged layer
 
 
 def block_rows(qtype: GGMLQuantizationType, rows: int, k: int, how: str, seed: int) -> torch.Tensor:
