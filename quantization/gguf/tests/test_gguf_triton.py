@@ -1,5 +1,6 @@
 """The Triton GGUF matmul against the torch reference (dequantise the block rows, then a float32
-matmul), for every type it reads, on odd shapes (M = 1, 7; K = 2 or 3 blocks; N under and past a tile):
+matmul) and its embedding lookup, for every type they read, on odd shapes (M = 1, 7; K = 2 or 3 blocks;
+N under and past a tile):
 on the CPU under ``TRITON_INTERPRET=1``, compiled for a Hopper GPU without one (ptxas only), and on
 CUDA where a GPU is lent (``-m gpu``: the kernel, then tiny GGUF Llamas' greedy tokens against
 transformers on their dequantised weights).
@@ -24,7 +25,7 @@ from gguf.quants import quantize
 from k_quantizer import quantize_k, random_k_blocks
 
 from tokenmill_quant_gguf import kernels
-from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, block_geometry
+from tokenmill_quant_gguf.blocks import KEPT_QUANTIZED, block_geometry, dequantize_rows
 from tokenmill_quant_gguf.kernels import gguf_linear_reference
 from tokenmill_quant_gguf.kquants import K_QUANTS
 from tokenmill_quant_gguf.linear_method import block_parts
@@ -42,7 +43,7 @@ def test_the_interpreted_cases_pass_under_the_interpreter():
     from tokenmill.testing.child import run_pytest_child
 
     output = run_pytest_child(__file__, env={"TRITON_INTERPRET": "1"}, extra_args=["-k", "interpreted_kernel"])
-    assert f"{len(CASES) + 1} passed" in output, output[-2000:]  # the cases, and the merged layer
+    assert f"{len(CASES) + 1 + len(TYPES)} passed" in output, output[-2000:]  # matmuls, merged layer, lookups
 
 
 def block_rows(qtype: GGMLQuantizationType, rows: int, k: int, how: str, seed: int) -> torch.Tensor:
@@ -89,29 +90,48 @@ def test_the_interpreted_kernel_reads_each_part_of_a_merged_layer():
                                    gguf_linear_reference(x, expected_rows, part.qtype, k), rtol=1e-5, atol=1e-4)
 
 
+def _check_lookup(qtype: GGMLQuantizationType, device: str) -> torch.Tensor:
+    """The kernel's rows of 1-d ids (repeated, out of order) against the reference's; returns the difference."""
+    from tokenmill_quant_gguf.triton_kernels import gguf_embedding_triton
+
+    dim = 2 * block_geometry(qtype)[0]
+    table = block_rows(qtype, 45, dim, "random" if qtype in K_QUANTS else "quantized", seed=3).to(device)
+    ids = torch.tensor([44, 0, 7, 7, 31, 2, 40, 33, 19, 5, 8, 12, 0, 1, 3, 38, 21, 22, 9, 30, 11, 13, 14, 15, 16,
+                        17, 18, 20, 23, 24, 25, 26, 27, 28], device=device)  # 34 lookups: past one 32-wide tile
+    assert gguf_embedding_triton(table, ids[:0], qtype, dim).shape == (0, dim)
+    return gguf_embedding_triton(table, ids, qtype, dim) - dequantize_rows(table[ids], qtype, dim)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda qtype: qtype.name)
+def test_the_interpreted_kernel_looks_up_the_reference_rows(qtype):
+    assert torch.equal(_check_lookup(qtype, "cpu"), torch.zeros(34, 2 * block_geometry(qtype)[0]))
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU, which the interpreter does not")
-def test_the_kernel_compiles_for_a_hopper_gpu_without_one():
-    # The interpreter runs the kernel as numpy: a construct only the GPU compiler refuses (a type or
+def test_the_kernels_compile_for_a_hopper_gpu_without_one():
+    # The interpreter runs the kernels as numpy: a construct only the GPU compiler refuses (a type or
     # layout tl.dot cannot take, a constexpr branch it cannot resolve) shows only here or on a GPU.
+    pytest.importorskip("triton.backends.nvidia")  # triton's CUDA backend, with the ptxas it ships
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tokenmill_quant_gguf.triton_kernels import BLOCK_M, BLOCK_N, _gguf_matmul
+    from tokenmill_quant_gguf.triton_kernels import BLOCK_M, BLOCK_N, _gguf_matmul, _gguf_rows
 
-    scalars = dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_om"), "i32")
+    def assembled(kernel, pointers: dict[str, str], scalars: tuple[str, ...], constants: dict[str, int],
+                  **options: object) -> bytes:
+        signature = {**pointers, **dict.fromkeys(scalars, "i32"), **dict.fromkeys(constants, "constexpr")}
+        return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=options).asm["cubin"]
+
     for qtype, activations in [(qtype, "*fp32") for qtype in TYPES] + [(GGMLQuantizationType.Q4_K, "*bf16")]:
-        signature = {"x_ptr": activations, "w_ptr": "*u8", "out_ptr": "*fp32", **scalars,
-                     **dict.fromkeys(("QTYPE", "BLOCK_BYTES", "BLOCK_M", "BLOCK_N"), "constexpr")}
-        constants = {"QTYPE": int(qtype), "BLOCK_BYTES": block_geometry(qtype)[1], "BLOCK_M": BLOCK_M,
-                     "BLOCK_N": BLOCK_N}
-        try:
-            compiled = triton.compile(ASTSource(_gguf_matmul, signature, constants), target=GPUTarget("cuda", 90, 32))
-        except RuntimeError as error:  # no ptxas here: nothing to check without a GPU
-            if "ptxas" in str(error).lower():
-                pytest.skip(f"triton cannot assemble for CUDA here: {error}")
-            raise
-        assert compiled.asm["cubin"], qtype.name
+        blocks = {"QTYPE": int(qtype), "BLOCK_BYTES": block_geometry(qtype)[1]}
+        assert assembled(_gguf_matmul, {"x_ptr": activations, "w_ptr": "*u8", "out_ptr": "*fp32"},
+                         ("M", "N", "K", "stride_xm", "stride_wn", "stride_om"),
+                         {**blocks, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N}), qtype.name
+        assert assembled(_gguf_rows, {"w_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": "*fp32"},
+                         ("R", "stride_wn", "stride_or"), {**blocks, "BLOCK_R": BLOCK_N}, enable_fp_fusion=False)
 
 
 def test_every_kept_type_takes_the_triton_kernel_on_cuda_and_says_so(caplog):
@@ -130,6 +150,13 @@ def test_every_kept_type_takes_the_triton_kernel_on_cuda_and_says_so(caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cuda_kernel_is_the_torch_reference(qtype, m, blocks, n, how):
     _check(qtype, m, blocks, n, how, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda qtype: qtype.name)
+def test_the_cuda_kernel_looks_up_the_reference_rows(qtype):
+    assert torch.equal(_check_lookup(qtype, "cuda"), torch.zeros(34, 2 * block_geometry(qtype)[0], device="cuda"))
 
 
 @pytest.mark.gpu

@@ -2,8 +2,8 @@
 
 On a CUDA GPU with triton installed, :func:`gguf_linear` runs the Triton kernel
 (:mod:`tokenmill_quant_gguf.triton_kernels`: every kept type, dequantised in registers inside a
-float32 ``tl.dot`` matmul; :func:`gpu_kernel` says so once per type). Embedding lookups on a GPU keep
-the reference, which dequantises only the rows asked for; a tied lm_head is a linear and takes the kernel.
+float32 ``tl.dot`` matmul; :func:`gpu_kernel` says so once per type), and :func:`gguf_embedding` its
+row lookup (the same block readers, one launch for the rows of every id).
 
 The CPU kernel (:mod:`tokenmill_quant_gguf.cpu_kernel`, C++ built on first use) reads
 the weight in its blocks, 4.5 to 8.5 bits per value, once per call and never writes a
@@ -109,7 +109,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
 def gguf_embedding(qweight: torch.Tensor, ids: torch.Tensor, qtype: GGMLQuantizationType, dim: int) -> torch.Tensor:
     """The float32 rows ``[len(ids), dim]`` of the block table ``qweight`` that 1-d ``ids`` name:
-    the CPU kernel's op (which a step graph can record), or the torch reference."""
+    the CPU kernel's op (which a step graph can record), the Triton kernel on CUDA, or the torch reference."""
+    if qweight.device.type == "cuda" and gpu_kernel(qtype) == "triton":
+        from tokenmill_quant_gguf.triton_kernels import gguf_embedding_triton
+
+        return gguf_embedding_triton(qweight, ids, qtype, dim)
     kernel = _cpu_kernel() if qweight.device.type == "cpu" and qtype in KEPT_QUANTIZED else None
     if kernel is None:
         return dequantize_rows(qweight[ids], qtype, dim)

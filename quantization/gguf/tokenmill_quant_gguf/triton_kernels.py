@@ -1,4 +1,4 @@
-"""A Triton kernel for GPUs: ``x @ W.T`` with ``W`` still in its GGUF blocks, dequantised in registers.
+"""Triton kernels for GPUs: ``x @ W.T`` with ``W`` still in its GGUF blocks, dequantised in registers.
 
 The weight is the uint8 ``[N, bytes per row]`` block tensor the CPU path keeps (the layouts are in
 :mod:`tokenmill_quant_gguf.blocks` and :mod:`tokenmill_quant_gguf.kquants`). Each program computes a
@@ -8,6 +8,8 @@ super-block (Q4_K, Q5_K, Q6_K). A step loads the tile's bytes for its ``BLOCK_N`
 the float16 scales out of them with bitcasts and the quants with shifts and masks, forms the float32
 ``[32, BLOCK_N]`` slice of ``W.T`` and adds its ``tl.dot`` with the activations into a float32
 accumulator. No float copy of the weight is written to memory: decode reads each block once a step.
+The embedding lookup (:func:`gguf_embedding_triton`) runs the same block readers on the table rows
+the ids name, one launch for them all.
 
 The arithmetic of a value is the torch reference's (:func:`~tokenmill_quant_gguf.blocks.dequantize_rows`)
 step for step, so only the matmul's summation order differs from it. Tested against that reference
@@ -131,3 +133,36 @@ def gguf_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuanti
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _gguf_rows(w_ptr, ids_ptr, out_ptr, R, stride_wn, stride_or,
+               QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program ``(i, step)``: values ``32 * step ..`` of the table rows named by ids ``BLOCK_R * i ..``."""
+    lookups = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ids = tl.load(ids_ptr + lookups, mask=lookups < R, other=0)
+    step = tl.program_id(1)
+    table_rows = w_ptr + ids.to(tl.int64)[None, :] * stride_wn  # the ids play the matmul's output columns
+    j = tl.arange(0, 32)[:, None]
+    if QTYPE >= 12:
+        values = _k_quant_sub_block(table_rows + step // 8 * BLOCK_BYTES, step % 8, j, QTYPE)
+    else:
+        values = _legacy_block(table_rows + step * BLOCK_BYTES, j, QTYPE)
+    tl.store(out_ptr + lookups[None, :].to(tl.int64) * stride_or + step * 32 + j, values,
+             mask=(lookups < R)[None, :])
+
+
+def gguf_embedding_triton(qweight: torch.Tensor, ids: torch.Tensor, qtype: GGMLQuantizationType,
+                          dim: int) -> torch.Tensor:
+    """The float32 rows ``[len(ids), dim]`` of the block table ``qweight`` that 1-d ``ids`` name, each
+    dequantised once in registers by the matmul's block readers: the values the reference gives, bit for bit."""
+    out = torch.empty(ids.shape[0], dim, device=qweight.device, dtype=torch.float32)
+    if ids.shape[0] == 0:
+        return out
+    if qweight.stride(1) != 1:
+        qweight = qweight.contiguous()
+    grid = (triton.cdiv(ids.shape[0], BLOCK_N), dim // 32)
+    _gguf_rows[grid](qweight, ids.contiguous(), out, ids.shape[0], qweight.stride(0), out.stride(0),
+                     QTYPE=int(qtype), BLOCK_BYTES=block_geometry(qtype)[1], BLOCK_R=BLOCK_N,
+                     enable_fp_fusion=False)  # no fused multiply-adds: bit for bit the reference's values
+    return out
