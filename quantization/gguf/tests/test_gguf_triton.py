@@ -43,7 +43,7 @@ def test_the_interpreted_cases_pass_under_the_interpreter():
     from tokenmill.testing.child import run_pytest_child
 
     output = run_pytest_child(__file__, env={"TRITON_INTERPRET": "1"}, extra_args=["-k", "interpreted_kernel"])
-    assert f"{len(CASES) + 1 + len(TYPES)} passed" in output, output[-2000:]  # matmuls, merged layer, lookups
+    assert f"{len(CASES) + 4 + 1 + len(TYPES)} passed" in output, output[-2000:]  # matmuls, splits, parts, lookups
 
 
 def block_rows(qtype: GGMLQuantizationType, rows: int, k: int, how: str, seed: int) -> torch.Tensor:
@@ -56,7 +56,8 @@ def block_rows(qtype: GGMLQuantizationType, rows: int, k: int, how: str, seed: i
     return torch.from_numpy(np.ascontiguousarray(packed))
 
 
-def _check(qtype: GGMLQuantizationType, m: int, blocks: int, n: int, how: str, device: str) -> None:
+def _check(qtype: GGMLQuantizationType, m: int, blocks: int, n: int, how: str, device: str,
+           splits: int | None = None) -> None:
     from tokenmill_quant_gguf.triton_kernels import gguf_linear_triton
 
     k = blocks * block_geometry(qtype)[0]
@@ -64,7 +65,7 @@ def _check(qtype: GGMLQuantizationType, m: int, blocks: int, n: int, how: str, d
     generator = torch.Generator().manual_seed(blocks)
     x, bias = torch.randn(m, k, generator=generator).to(device), torch.randn(n, generator=generator).to(device)
     expected = gguf_linear_reference(x, qweight, qtype, k, bias)
-    ours = gguf_linear_triton(x, qweight, qtype, k, bias)
+    ours = gguf_linear_triton(x, qweight, qtype, k, bias, splits)
     # Only the summation order differs: float32 rounding of sums as large as the outputs (a wrong scale,
     # min, nibble or high bit would be off by a whole weight's share of them).
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
@@ -74,6 +75,14 @@ def _check(qtype: GGMLQuantizationType, m: int, blocks: int, n: int, how: str, d
 @pytest.mark.parametrize(("qtype", "m", "blocks", "n", "how"), CASES, ids=lambda value: getattr(value, "name", str(value)))
 def test_the_interpreted_kernel_is_the_torch_reference(qtype, m, blocks, n, how):
     _check(qtype, m, blocks, n, how, "cpu")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K], ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_the_interpreted_kernel_splits_the_k_loop(qtype, splits):
+    # 3 legacy blocks: steps 0-1 and 2 (5 splits give 3 of one step); 24 K-quant steps: 5 runs of 5, the last 4.
+    _check(qtype, 7, 3, 37, "quantized", "cpu", splits)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
@@ -128,10 +137,22 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_one():
     for qtype, activations in [(qtype, "*fp32") for qtype in TYPES] + [(GGMLQuantizationType.Q4_K, "*bf16")]:
         blocks = {"QTYPE": int(qtype), "BLOCK_BYTES": block_geometry(qtype)[1]}
         assert assembled(_gguf_matmul, {"x_ptr": activations, "w_ptr": "*u8", "out_ptr": "*fp32"},
-                         ("M", "N", "K", "stride_xm", "stride_wn", "stride_om"),
+                         ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "steps_per_split"),
                          {**blocks, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N}), qtype.name
         assert assembled(_gguf_rows, {"w_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": "*fp32"},
                          ("R", "stride_wn", "stride_or"), {**blocks, "BLOCK_R": BLOCK_N}, enable_fp_fusion=False)
+
+
+def test_the_k_loop_is_split_only_where_the_output_tiles_leave_the_gpu_idle(monkeypatch):
+    from tokenmill_quant_gguf import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_multiprocessors", lambda device: 132)  # an H100 / H200
+    cuda = torch.device("cuda")
+    assert triton_kernels.k_splits(1, 4096, 128, cuda) == 5  # 128 tiles: 640 programs of 26 steps (K 4096)
+    assert triton_kernels.k_splits(1, 4096, 24, cuda) == 3  # each split keeps 8 steps at the least
+    assert triton_kernels.k_splits(1, 4096, 7, cuda) == 1
+    assert triton_kernels.k_splits(1, 151936, 128, cuda) == 1  # a vocabulary's tiles are enough
+    assert triton_kernels.k_splits(512, 4096, 128, cuda) == 1  # as are prefill's
 
 
 def test_every_kept_type_takes_the_triton_kernel_on_cuda_and_says_so(caplog):

@@ -8,6 +8,9 @@ super-block (Q4_K, Q5_K, Q6_K). A step loads the tile's bytes for its ``BLOCK_N`
 the float16 scales out of them with bitcasts and the quants with shifts and masks, forms the float32
 ``[32, BLOCK_N]`` slice of ``W.T`` and adds its ``tl.dot`` with the activations into a float32
 accumulator. No float copy of the weight is written to memory: decode reads each block once a step.
+At decode's few rows the output tiles are too few to occupy a GPU, so several programs share a tile's
+K loop, each summing its run of steps into a partial tile, and the partials are added after in a
+fixed order (:func:`k_splits`; deterministic, unlike atomic adds).
 The embedding lookup (:func:`gguf_embedding_triton`) runs the same block readers on the table rows
 the ids name, one launch for them all.
 
@@ -18,6 +21,8 @@ Importing this module imports triton: only the GPU path and its tests do.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -98,16 +103,18 @@ def _k_quant_sub_block(block_ptr, sub, j, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gguf_matmul(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _gguf_matmul(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, steps_per_split,
                  QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``(i, j, s)``: output tile ``(i, j)``'s sum over split ``s`` of the K steps, into ``out[s]``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(2) * steps_per_split
     # Past N, read row 0's bytes (always there) rather than mask every load; those columns are not stored.
     weight_rows = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[None, :] * stride_wn
     j = tl.arange(0, 32)[:, None]
     k_quant: tl.constexpr = QTYPE >= 12
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, K // 32):
+    for step in range(first, tl.minimum(first + steps_per_split, K // 32)):
         x = tl.load(x_ptr + rows[:, None] * stride_xm + step * 32 + tl.arange(0, 32)[None, :], mask=rows[:, None] < M,
                     other=0.0).to(tl.float32)
         if k_quant:
@@ -115,24 +122,46 @@ def _gguf_matmul(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         else:
             weight = _legacy_block(weight_rows + step * BLOCK_BYTES, j, QTYPE)
         acc += tl.dot(x, weight, input_precision="ieee")
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(out_ptr + tl.program_id(2) * stride_os + rows[:, None] * stride_om + cols[None, :], acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def gguf_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """``x [..., in_features] @ dequantize(qweight).T + bias`` for block rows ``qweight`` (uint8 ``[N, bytes]``,
-    rows contiguous) of a type in :data:`TRITON_TYPES`; float32 accumulation, the result in ``x``'s dtype."""
+    rows contiguous) of a type in :data:`TRITON_TYPES`; float32 accumulation, the result in ``x``'s dtype.
+    ``splits``: how many programs share each output tile's K loop (default :func:`k_splits`)."""
     flat = x.reshape(-1, in_features).contiguous()
-    m, n = flat.shape[0], qweight.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=torch.float32)
+    m, n, steps = flat.shape[0], qweight.shape[0], in_features // 32
+    splits = splits or k_splits(m, n, steps, x.device)
+    per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per_split)  # none left without steps
+    out = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     if qweight.stride(1) != 1:
         qweight = qweight.contiguous()
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _gguf_matmul[grid](flat, qweight, out, m, n, in_features, flat.stride(0), qweight.stride(0), out.stride(0),
-                       QTYPE=int(qtype), BLOCK_BYTES=block_geometry(qtype)[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+    _gguf_matmul[grid](flat, qweight, out, m, n, in_features, flat.stride(0), qweight.stride(0), out.stride(1),
+                       out.stride(0), per_split, QTYPE=int(qtype), BLOCK_BYTES=block_geometry(qtype)[1],
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    out = out[0] if splits == 1 else out.sum(0)  # the partial sums in a fixed order: the same result every run
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def k_splits(m: int, n: int, steps: int, device: torch.device) -> int:
+    """How many programs share a tile's K loop: at decode's few rows the output tiles alone are too few to
+    keep every streaming multiprocessor reading blocks (4096 outputs are 128 tiles), so the K loop is split
+    until there are about four programs per multiprocessor, each keeping 8 or more of its 32-value steps;
+    where the tiles are enough (prefill, a vocabulary-wide lm_head) it is not split."""
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    wanted = 4 * _multiprocessors(device)
+    return max(1, min(triton.cdiv(wanted, tiles), steps // 8))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
