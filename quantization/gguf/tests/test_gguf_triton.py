@@ -1,9 +1,8 @@
 """The Triton GGUF matmul against the torch reference (dequantise the block rows, then a float32
-matmul) and its embedding lookup, for every type they read, on odd shapes (M = 1, 7; K = 2 or 3 blocks;
-N under and past a tile):
-on the CPU under ``TRITON_INTERPRET=1``, compiled for a Hopper GPU without one (ptxas only), and on
-CUDA where a GPU is lent (``-m gpu``: the kernel, then tiny GGUF Llamas' greedy tokens against
-transformers on their dequantised weights).
+matmul), and its embedding lookup, for every type they read, on odd shapes (M = 1, 7; K = 2 or 3
+blocks; N under and past a tile): on the CPU under ``TRITON_INTERPRET=1``, compiled for a Hopper GPU
+without one (triton's ptxas), and on CUDA where a GPU is lent (``-m gpu``: the kernels, then tiny
+GGUF Llamas' greedy tokens against transformers on their dequantised weights).
 
 Legacy blocks are packed by ``gguf.quants.quantize`` (the real on-disk bytes); the K-quants, which
 the gguf package cannot pack, by the tests' ``k_quantizer`` and as random bytes in their layout
@@ -36,6 +35,10 @@ TYPES = sorted(KEPT_QUANTIZED, key=int)
 # (m, blocks of K, n, how the blocks are made): n = 37 is past one 32-wide tile, 5 under it.
 SHAPES = [(1, 3, 37, "quantized"), (7, 2, 5, "quantized"), (7, 3, 37, "random")]
 CASES = [(qtype, *shape) for qtype in TYPES for shape in SHAPES if shape[3] == "quantized" or qtype in K_QUANTS]
+
+
+def case_id(value: object) -> str:
+    return getattr(value, "name", str(value))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
@@ -72,13 +75,13 @@ def _check(qtype: GGMLQuantizationType, m: int, blocks: int, n: int, how: str, d
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-@pytest.mark.parametrize(("qtype", "m", "blocks", "n", "how"), CASES, ids=lambda value: getattr(value, "name", str(value)))
+@pytest.mark.parametrize(("qtype", "m", "blocks", "n", "how"), CASES, ids=case_id)
 def test_the_interpreted_kernel_is_the_torch_reference(qtype, m, blocks, n, how):
     _check(qtype, m, blocks, n, how, "cpu")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K], ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K], ids=case_id)
 @pytest.mark.parametrize("splits", [2, 5])
 def test_the_interpreted_kernel_splits_the_k_loop(qtype, splits):
     # 3 legacy blocks: steps 0-1 and 2 (5 splits give 3 of one step); 24 K-quant steps: 5 runs of 5, the last 4.
@@ -91,7 +94,8 @@ def test_the_interpreted_kernel_reads_each_part_of_a_merged_layer():
     from tokenmill_quant_gguf.triton_kernels import gguf_linear_triton
 
     types, sizes, k = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0], [40, 24], 64
-    rows = [block_rows(qtype, size, k, "quantized", seed) for seed, (qtype, size) in enumerate(zip(types, sizes, strict=True))]
+    rows = [block_rows(qtype, size, k, "quantized", seed)
+            for seed, (qtype, size) in enumerate(zip(types, sizes, strict=True))]
     flat = torch.cat([part.reshape(-1) for part in rows])
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
     for part, expected_rows in zip(block_parts(types, sizes, k), rows, strict=True):
@@ -112,7 +116,7 @@ def _check_lookup(qtype: GGMLQuantizationType, device: str) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=case_id)
 def test_the_interpreted_kernel_looks_up_the_reference_rows(qtype):
     assert torch.equal(_check_lookup(qtype, "cpu"), torch.zeros(34, 2 * block_geometry(qtype)[0]))
 
@@ -166,7 +170,7 @@ def test_every_kept_type_takes_the_triton_kernel_on_cuda_and_says_so(caplog):
 
 
 @pytest.mark.parametrize(("qtype", "m", "blocks", "n", "how"),
-                         CASES + [(qtype, 64, 8, 300, "quantized") for qtype in TYPES], ids=lambda value: getattr(value, "name", str(value)))
+                         CASES + [(qtype, 64, 8, 300, "quantized") for qtype in TYPES], ids=case_id)  # 300: 10 tiles
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cuda_kernel_is_the_torch_reference(qtype, m, blocks, n, how):
@@ -175,7 +179,7 @@ def test_the_cuda_kernel_is_the_torch_reference(qtype, m, blocks, n, how):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=case_id)
 def test_the_cuda_kernel_looks_up_the_reference_rows(qtype):
     assert torch.equal(_check_lookup(qtype, "cuda"), torch.zeros(34, 2 * block_geometry(qtype)[0], device="cuda"))
 

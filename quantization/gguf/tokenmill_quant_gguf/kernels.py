@@ -80,7 +80,7 @@ def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQua
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                 bias: torch.Tensor | None = None, activations: Activations = "float32") -> torch.Tensor:
     """``x @ dequantize(qweight).T + bias`` for ``x`` ``[..., in_features]``, by the fastest path here
-    for ``activations`` (the torch reference, where no kernel runs, is float32 whatever they say)."""
+    for ``activations`` (the Triton kernel on CUDA and the torch reference elsewhere are float32 whatever they say)."""
     if x.device.type == "cuda" and gpu_kernel(qtype) == "triton":
         from tokenmill_quant_gguf.triton_kernels import gguf_linear_triton
 
