@@ -39,7 +39,6 @@ TRITON_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, 
 BLOCK_M, BLOCK_N = 16, 32  # tl.dot wants every side >= 16
 
 
-
 @triton.jit
 def _byte(block_ptr, offset):
     """Byte ``offset`` (a tensor broadcasting against ``block_ptr``) of each weight row's block, as int32."""
