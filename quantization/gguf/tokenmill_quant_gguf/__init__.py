@@ -29,8 +29,8 @@ GGUF_DEQUANTIZED_METHOD = QuantMethodSpec(
 
 @hookimpl
 def tokenmill_register_quantization_methods(platform: Any) -> list[QuantMethodSpec]:
-    """GGUF works on every platform: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K layers multiply through the CPU kernel
-    or, elsewhere, the torch reference; other types are dequantised at load."""
+    """GGUF works on every platform: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K layers multiply through the CPU kernel,
+    the Triton kernel on CUDA or, elsewhere, the torch reference; other types are dequantised at load."""
     return [GGUF_METHOD, GGUF_DEQUANTIZED_METHOD]
 
 

@@ -1,4 +1,9 @@
-"""``x @ W.T`` with ``W`` still in GGUF blocks: the CPU kernel, or the torch reference.
+"""``x @ W.T`` with ``W`` still in GGUF blocks: the CPU kernel, the Triton kernel on CUDA, or the torch reference.
+
+On a CUDA GPU with triton installed, :func:`gguf_linear` runs the Triton kernel
+(:mod:`tokenmill_quant_gguf.triton_kernels`: every kept type, dequantised in registers inside a
+float32 ``tl.dot`` matmul; :func:`gpu_kernel` says so once per type), and :func:`gguf_embedding` its
+row lookup (the same block readers, one launch for the rows of every id).
 
 The CPU kernel (:mod:`tokenmill_quant_gguf.cpu_kernel`, C++ built on first use) reads
 the weight in its blocks, 4.5 to 8.5 bits per value, once per call and never writes a
@@ -75,7 +80,11 @@ def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQua
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                 bias: torch.Tensor | None = None, activations: Activations = "float32") -> torch.Tensor:
     """``x @ dequantize(qweight).T + bias`` for ``x`` ``[..., in_features]``, by the fastest path here
-    for ``activations`` (the torch reference, where no kernel runs, is float32 whatever they say)."""
+    for ``activations`` (the Triton kernel on CUDA and the torch reference elsewhere are float32 whatever they say)."""
+    if x.device.type == "cuda" and gpu_kernel(qtype) == "triton":
+        from tokenmill_quant_gguf.triton_kernels import gguf_linear_triton
+
+        return gguf_linear_triton(x, qweight, qtype, in_features, bias)
     kernel = _cpu_kernel() if x.device.type == "cpu" and qtype in KEPT_QUANTIZED else None
     if kernel is None:
         _chosen(x.device.type, "the torch reference (dequantise the rows, then matmul)")
@@ -100,11 +109,31 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationT
 
 def gguf_embedding(qweight: torch.Tensor, ids: torch.Tensor, qtype: GGMLQuantizationType, dim: int) -> torch.Tensor:
     """The float32 rows ``[len(ids), dim]`` of the block table ``qweight`` that 1-d ``ids`` name:
-    the CPU kernel's op (which a step graph can record), or the torch reference."""
+    the CPU kernel's op (which a step graph can record), the Triton kernel on CUDA, or the torch reference."""
+    if qweight.device.type == "cuda" and gpu_kernel(qtype) == "triton":
+        from tokenmill_quant_gguf.triton_kernels import gguf_embedding_triton
+
+        return gguf_embedding_triton(qweight, ids, qtype, dim)
     kernel = _cpu_kernel() if qweight.device.type == "cpu" and qtype in KEPT_QUANTIZED else None
     if kernel is None:
         return dequantize_rows(qweight[ids], qtype, dim)
     return torch.ops.tokenmill_gguf.embedding(qweight, ids, int(qtype), dim)
+
+
+@functools.cache
+def gpu_kernel(qtype: GGMLQuantizationType) -> Literal["triton", "torch"]:
+    """What multiplies ``qtype``'s blocks on a CUDA GPU: ``"triton"`` (the Triton kernel, which
+    dequantises them in registers inside the matmul) where triton imports and the kernel reads the
+    type, else ``"torch"`` (the reference); logged once per type with the reason."""
+    try:
+        from tokenmill_quant_gguf.triton_kernels import TRITON_TYPES
+    except ImportError:
+        kernel, reason = "torch", "the torch reference: triton is not installed"
+    else:
+        kernel, reason = ("triton", "the Triton kernel (blocks dequantised in registers inside the matmul)") \
+            if qtype in TRITON_TYPES else ("torch", "the torch reference: the Triton kernel does not read this type")
+    logger.info("GGUF %s layers on cuda: %s", qtype.name, reason)
+    return kernel
 
 
 @functools.cache
