@@ -6,7 +6,8 @@
 // Include it in the extension's sources and call tokenmill::parallel_for where at::parallel_for
 // was; tokenmill.plugin_api.load_native_extension puts this folder on every build's include path
 // and attaches each build it imports. Header-only: each extension carries its own copy of the
-// slot below, and exports tokenmill_parallel_attach for the attaching.
+// slot below (hidden: without it GCC makes an inline variable one process-wide unique symbol, which
+// every extension would share), and exports tokenmill_parallel_attach for the attaching.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,7 +20,7 @@
 namespace tokenmill {
 namespace parallel_detail {
 
-inline std::atomic<const tokenmill_parallel_backend*> backend{nullptr};
+__attribute__((visibility("hidden"))) inline std::atomic<const tokenmill_parallel_backend*> backend{nullptr};
 
 template <class F>
 struct Loop {
