@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.worker.step_graphs import KernelProfile
 
 # (label, depth, path from the LLM to the object (or module:NAME), method name)
 PHASES = [
@@ -34,7 +35,9 @@ PHASES = [
     ("update_states", 3, "engine.core.executor.worker.runner", "_update_states"),
     ("build_step_inputs", 3, "module:tokenmill.worker.model_runner", "build_step_inputs"),
     ("backend.prepare", 3, "engine.core.executor.worker.runner.backend", "prepare"),
-    ("forward (graph)", 3, "engine.core.executor.worker.runner", "_forward"),
+    ("forward", 3, "engine.core.executor.worker.runner", "_forward"),
+    ("graphs.forward", 4, "engine.core.executor.worker.runner.graphs", "forward"),
+    ("graph kernels", 5, "", ""),  # --kernels: not a method, filled from the kernel profile
     ("grammar_bitmask", 2, "engine.core.scheduler", "grammar_bitmask"),
     ("sample_tokens", 2, "engine.core.executor", "sample_tokens"),
     ("sampler", 3, "engine.core.executor.worker.runner", "sampler"),
@@ -52,6 +55,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--iters", type=int, default=5, help="runs per path; the split is the median's")
     parser.add_argument("--cprofile", type=int, default=0, help="also print this many functions by own time")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also sum the step graphs' kernels (DecodeGraphs.kernel_profile): a replay's "
+                             "time outside them is its dispatch and the compute threads' hand-offs")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="thread: the calling thread's CPU time, which a busy machine inflates less "
                              "(but misses the compute threads' share of a forward)")
@@ -67,12 +73,18 @@ def main() -> None:
     for run in paths.values():
         run(0)  # warm-up: kernel builds, graph capture, allocator
     timers = _install(llm, time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns)
+    graphs = llm.engine.core.executor.worker.runner.graphs
     for name, run in paths.items():
         splits = []
         for i in range(args.iters):
             timers.reset()
+            if args.kernels and graphs is not None:
+                graphs.kernel_profile = KernelProfile()
             start = timers.clock()
             run(1 + i)
+            if graphs is not None and graphs.kernel_profile is not None:
+                timers.ns["graph kernels"] = int(sum(graphs.kernel_profile.seconds.values()) * 1e9)
+                timers.calls["graph kernels"] = graphs.kernel_profile.steps
             splits.append((timers.clock() - start, dict(timers.ns), dict(timers.calls)))
         splits.sort(key=lambda s: s[0])
         wall, ns, calls = splits[len(splits) // 2]
@@ -130,6 +142,8 @@ def _install(llm: LLM, clock: Callable[[], int]) -> _Timers:
     """Wrap each phase's method on its object (an instance attribute shadows the class's)."""
     timers = _Timers(clock)
     for label, _, path, name in PHASES:
+        if not name:
+            continue
         owner: Any = llm
         if path.startswith("module:"):  # a function the caller's module imported
             owner = importlib.import_module(path.removeprefix("module:"))
