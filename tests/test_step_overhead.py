@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from tokenmill import EngineConfig, SamplingParams
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import InvalidRequestError
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_inputs import StepInputs, _decode_step_inputs, _step_inputs, build_step_inputs
@@ -170,3 +172,29 @@ def test_an_aborted_final_only_request_has_the_text_of_its_tokens(engine):
     streamed = _run(engine, [SamplingParams(max_tokens=len(tokens), ignore_eos=True, temperature=0)], False)[0]
     assert streamed["0"].outputs[0].token_ids == tokens and streamed["0"].outputs[0].text == output.outputs[0].text
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("final_only", [False, True])
+def test_a_request_without_text_gets_the_tokens_of_one_with_text(engine, monkeypatch, final_only):
+    """``detokenize=False`` (bench latency's): the same tokens, finish reasons and logprobs, no
+    text, and the detokenizer is never called; streamed, every step still has an output."""
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3, n=2, logprobs=1)]
+    with_text, with_text_partial = _run(engine, params, final_only)
+    calls = []
+    original = IncrementalDetokenizer.add_tokens
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", lambda self, ids: calls.append(ids) or original(self, ids))
+    without, without_partial = _run(engine, [dataclasses.replace(p, detokenize=False) for p in params], final_only)
+    assert calls == [] and without_partial == with_text_partial
+    for key in with_text:
+        assert with_text[key].outputs[0].text
+        for a, b in zip(with_text[key].outputs, without[key].outputs, strict=True):
+            assert b.text == "" and (a.token_ids, a.finish_reason, a.logprobs) == (b.token_ids, b.finish_reason,
+                                                                                   b.logprobs)
+
+
+def test_stop_strings_need_the_text():
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(stop=["."], detokenize=False)
+    assert caught.value.param == "detokenize"
+    assert SamplingParams(stop_token_ids=[2], detokenize=False).stop_token_ids == [2]  # token ids need none

@@ -418,3 +418,23 @@ def test_inverse_cdf_finds_single_tokens_anywhere() -> None:
         probs[row, token] = 3.0  # unnormalised mass is fine
     for _ in range(20):
         assert inverse_cdf_sample(probs, {}).tolist() == [0, 255, 256, 699]
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"logit_bias": {3: 50.0}}, {"min_tokens": 2},
+                                   {"repetition_penalty": 1.3}, {"temperature": 0.7}])
+def test_the_argmax_shortcut_gives_the_general_paths_tokens(extra, monkeypatch) -> None:
+    """Greedy rows with nothing that edits the logits or reports logprobs skip the sampler's
+    general path; any of those keeps it. Either way the tokens are the general path's."""
+    logits = random_logits(5)
+    params = {"temperature": 0.0, "stop_token_ids": [4], **extra}
+    meta = build([SamplingParams(**params) for _ in range(5)], outputs=[[1, 2, 6]] * 5, prompts=[[6, 7]] * 5)
+    assert meta.argmax_only == (not extra)
+    general = Sampler.sample(Sampler.apply_logits_processors(logits.clone(), meta), meta)
+    if meta.argmax_only:  # taken: the general path's steps are not called
+        monkeypatch.setattr(Sampler, "apply_logits_processors", None)
+        monkeypatch.setattr(Sampler, "sample", None)
+        assert general.tolist() == logits.argmax(-1).tolist()
+    out = Sampler()(logits, meta)
+    if extra.get("temperature") is None:
+        assert out.sampled_token_ids.tolist() == general.tolist()
+    assert (out.logprobs is None) == ("logprobs" not in extra)

@@ -40,6 +40,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: the outputs carry token ids and no text (``CompletionOutput.text`` stays ""), which
+    # saves the per-token detokenizing of a caller that reads only tokens (bench latency).
+    detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict of
     # StructuredOutputsParams' fields is accepted too); the grammar, not
@@ -95,6 +98,9 @@ class SamplingParams:
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             # a NaN or inf bias would poison the whole logits row (the sampler guards too)
             raise InvalidRequestError("logit_bias values must be finite numbers", param="logit_bias")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings need the text: they cannot be used with detokenize=False",
+                                      param="detokenize")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", param="stop_token_ids")
         KVTransferParams.parse(self.extra_args.get(KV_TRANSFER_PARAMS))  # a connector reads them mid-step: check now

@@ -166,7 +166,7 @@ class OutputProcessor:
             self._finish_timer(req_id, sample.finish_reason or "abort", time.monotonic())
         parent.error = parent.error or error
         try:
-            if _text_waits_for_end(parent, sample):
+            if sample.params.detokenize and _text_waits_for_end(parent, sample):
                 _catch_up_text(sample)
         except Exception as exc:
             logger.warning("request %s failed in output processing: %r", req_id, exc)
@@ -196,7 +196,9 @@ class OutputProcessor:
             for entries in out.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(entries))
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entries[0][1]
-        if _text_waits_for_end(parent, sample):
+        if not sample.params.detokenize:
+            stop = None  # no text wanted, so no stop string either (SamplingParams allows none)
+        elif _text_waits_for_end(parent, sample):
             if out.finish_status is None:
                 return False  # no stop string to look for: the text is made once it finishes
             stop = _catch_up_text(sample)

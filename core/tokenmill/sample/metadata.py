@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +59,14 @@ class SamplingMetadata:
     # fewer than min_tokens tokens, those ids are masked to -inf.
     min_tokens: dict[int, tuple[int, set[int]]]
     logit_bias: list[dict[int, float] | None]
+    # Every row greedy, and nothing edits the logits or asks for logprobs: a row's token is its
+    # argmax (the sampler's shortcut; set from the fields above, once per metadata, which
+    # consecutive decode steps of the same requests share).
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.argmax_only = (self.all_greedy and self.max_num_logprobs is None and self.no_penalties
+                            and not self.min_tokens and not any(self.logit_bias))
 
     @property
     def num_rows(self) -> int:

@@ -35,6 +35,8 @@ class Sampler(torch.nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if metadata.argmax_only:  # what the general path below comes to, without its checks
+            return SamplerOutput(sampled_token_ids=greedy_sample(logits.float()), logprobs=None)
         # vLLM's default "raw_logprobs": what the model said, before any
         # sampling parameter, so logprobs do not depend on e.g. temperature.
         raw_logprobs = None

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.layers import Attention
-from tokenmill_platform_cpu.attention import CpuPagedAttentionBackend
+from tokenmill_platform_cpu.attention import CpuPagedAttentionBackend, _decode_step_data, _step_data
 from tokenmill_platform_cpu.kernels import kernels_available
 
 needs_kernel = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernel")
@@ -36,8 +36,10 @@ def _reference(q_all, k_all, v_all, context, seq, window, head):
 @pytest.mark.parametrize("head", [8, 64, 128])
 @pytest.mark.parametrize("window", [None, 5])
 # (tokens already cached, new tokens): decodes, a short chunk and long prefills; and a
-# lone decode, which the kernel splits over KV heads to keep both threads busy
-@pytest.mark.parametrize("requests", [[(9, 1), (0, 13), (3, 1), (6, 20), (0, 1), (11, 4)], [(30, 1)]])
+# lone decode, which the kernel splits over KV heads to keep both threads busy; and a decode
+# step of several requests (prepare's decode path)
+@pytest.mark.parametrize("requests", [[(9, 1), (0, 13), (3, 1), (6, 20), (0, 1), (11, 4)], [(30, 1)],
+                                      [(9, 1), (0, 1), (17, 1)]])
 # bfloat16: rows widened in the kernel, arithmetic in float32, the output rounded once
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests, dtype):
@@ -85,3 +87,26 @@ def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests
         tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(out[s:e].float(), expected, **tolerance)
 
+
+@pytest.mark.parametrize("seq_lens", [[1], [30], [9, 1, 17, 4]])
+def test_a_decode_steps_data_is_the_general_paths(seq_lens, monkeypatch):
+    """``prepare`` takes a shortcut for one token per request; it must give what the general
+    path gives (a step graph captured from one replays the other's)."""
+    seq = np.array(seq_lens, dtype=np.int64)
+    start = np.arange(len(seq) + 1, dtype=np.int64)
+    metadata = AttentionMetadata(
+        num_reqs=len(seq), num_actual_tokens=len(seq), max_query_len=1, max_seq_len=int(seq.max()),
+        block_size=BLOCK, query_start_loc=torch.from_numpy(start), seq_lens=torch.from_numpy(seq),
+        context_lens=torch.from_numpy(seq - 1), block_table=torch.zeros(len(seq), 8, dtype=torch.int64),
+        slot_mapping=torch.from_numpy(seq - 1), query_start_loc_cpu=start, seq_lens_cpu=seq)
+    decode, general = _decode_step_data(metadata), _step_data(metadata)
+    assert decode.kernel_tokens is None and general.kernel_tokens is None and decode.chunks == general.chunks == []
+    for name in ("token_request", "token_position"):
+        a, b = getattr(decode, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert decode.token_position.tolist() == [n - 1 for n in seq_lens]
+    if kernels_available():  # and prepare takes the shortcut for such a step
+        import tokenmill_platform_cpu.attention as attention
+
+        monkeypatch.setattr(attention, "_step_data", None)
+        assert torch.equal(CpuPagedAttentionBackend().prepare(metadata).token_position, decode.token_position)

@@ -80,19 +80,9 @@ class CpuPagedAttentionBackend:
             self.supports_step_graphs = False
 
     def prepare(self, metadata: AttentionMetadata) -> PagedStepData:
-        query_start = metadata.query_start_loc_cpu
-        query_lens = np.diff(query_start)
-        context_lens = metadata.seq_lens_cpu - query_lens
-        short = query_lens <= KERNEL_MAX_QUERY_LEN
-        token_request = np.repeat(np.arange(len(query_lens)), query_lens)
-        token_position = context_lens[token_request] + np.arange(query_start[-1]) - query_start[:-1][token_request]
-        chunks = [_Chunk(int(query_start[i]), int(query_start[i + 1]), int(i), int(context_lens[i]),
-                         int(metadata.seq_lens_cpu[i])) for i in np.flatnonzero(~short)]
-        if not chunks:
-            return PagedStepData(None, torch.from_numpy(token_request), torch.from_numpy(token_position))
-        kernel_tokens = np.flatnonzero(short[token_request])
-        return PagedStepData(torch.from_numpy(kernel_tokens), torch.from_numpy(token_request[kernel_tokens]),
-                             torch.from_numpy(token_position[kernel_tokens]), chunks)
+        if metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs:
+            return _decode_step_data(metadata)
+        return _step_data(metadata)
 
     def forward(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
@@ -182,3 +172,29 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     4-d inputs: 3-d ones run the unfused math path, 2.3x (128 tokens) to 10x (2,048)
     slower for a causal prompt."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def _step_data(metadata: AttentionMetadata) -> PagedStepData:
+    """Any step's: the short queries' tokens for the kernel, the long ones as SDPA chunks."""
+    query_start = metadata.query_start_loc_cpu
+    query_lens = np.diff(query_start)
+    context_lens = metadata.seq_lens_cpu - query_lens
+    short = query_lens <= KERNEL_MAX_QUERY_LEN
+    token_request = np.repeat(np.arange(len(query_lens)), query_lens)
+    token_position = context_lens[token_request] + np.arange(query_start[-1]) - query_start[:-1][token_request]
+    chunks = [_Chunk(int(query_start[i]), int(query_start[i + 1]), int(i), int(context_lens[i]),
+                     int(metadata.seq_lens_cpu[i])) for i in np.flatnonzero(~short)]
+    if not chunks:
+        return PagedStepData(None, torch.from_numpy(token_request), torch.from_numpy(token_position))
+    kernel_tokens = np.flatnonzero(short[token_request])
+    return PagedStepData(torch.from_numpy(kernel_tokens), torch.from_numpy(token_request[kernel_tokens]),
+                         torch.from_numpy(token_position[kernel_tokens]), chunks)
+
+
+def _decode_step_data(metadata: AttentionMetadata) -> PagedStepData:
+    """``prepare`` for a step of one token per request (every decode step): token ``i`` is
+    request ``i``'s, at its last position, and no query is long, so the per-token repeats
+    and gathers of the general path are not needed. At batch 1 they were most of a decode
+    step's ``prepare`` (tests/test_paged_attention.py checks the two agree)."""
+    positions = np.asarray(metadata.seq_lens_cpu, dtype=np.int64) - 1
+    return PagedStepData(None, torch.arange(metadata.num_reqs), torch.from_numpy(positions))
