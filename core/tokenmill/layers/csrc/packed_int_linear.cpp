@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -266,6 +267,18 @@ void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out*
   });
 }
 
+// Decode's few rows' staged x, planes, sums and float32 result live in buffers the calling thread
+// keeps (grow-only, and small: 8 rows at most), so that the many small layers of a
+// decode step allocate nothing.
+enum DecodeSlot { kStagedSlot, kPlanesSlot, kSumsSlot, kResultSlot, kDecodeSlots };
+
+float* decode_scratch(DecodeSlot slot, int64_t floats) {
+  static thread_local std::vector<float> buffers[kDecodeSlots];
+  auto& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 #if defined(TOKENMILL_PACKED_INT_VNNI)
 // The integer decode path (AVX512_VNNI), for up to kIntegerRowsMax rows of x. The float path spends
 // ~36 vector instructions on a 64-byte block of 4-bit values (unpacking, converting, one FMA or
@@ -322,8 +335,11 @@ void quantise_group(const float* x, int64_t k0, int64_t k1, int64_t kp, int8_t* 
     __m512 rest = _mm512_maskz_loadu_ps(0xFF, x + k);
     float step = s;
     for (int p = 0; p < Planes; ++p, step /= kPlaneRatio) {
-      const __m512 scaled = s > 0.0f ? _mm512_mul_ps(rest, _mm512_set1_ps(1.0f / step)) : _mm512_setzero_ps();
-      const __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // a step below the smallest normal float (x ~1e-32 and less, or all zero) has no finite
+      // reciprocal: its plane stays 0, which loses at most that step
+      const float reciprocal = step >= std::numeric_limits<float>::min() ? 1.0f / step : 0.0f;
+      const __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(reciprocal)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rounded), _mm512_set1_epi32(127)),
                                          _mm512_set1_epi32(-127));
       rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(step), rest);
@@ -435,10 +451,10 @@ void rows_of_tile_int(const Operands& op, const IntegerX& ix, int64_t tile, int6
 // y = x @ W by the integer path: op.x is x staged as float32 [M, K_p].
 template <int Bits, int Planes>
 void integer_product(const Operands& op, int64_t m) {
-  auto planes = torch::empty({m, Planes, op.kp}, torch::kInt8);
-  auto sums = torch::empty({m, op.groups, 1 + Planes}, torch::kFloat32);
-  quantise_rows<Bits, Planes>(op, m, planes.data_ptr<int8_t>(), sums.data_ptr<float>());
-  const IntegerX ix{reinterpret_cast<const int32_t*>(planes.data_ptr<int8_t>()), sums.data_ptr<float>()};
+  auto* planes = reinterpret_cast<int8_t*>(decode_scratch(kPlanesSlot, m * Planes * op.kp / 4));
+  float* sums = decode_scratch(kSumsSlot, m * op.groups * (1 + Planes));
+  quantise_rows<Bits, Planes>(op, m, planes, sums);
+  const IntegerX ix{reinterpret_cast<const int32_t*>(planes), sums};
   tokenmill::parallel_for(0, op.padded_n / kTileCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile)
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
@@ -446,6 +462,30 @@ void integer_product(const Operands& op, int64_t m) {
   });
 }
 #endif  // TOKENMILL_PACKED_INT_VNNI
+
+// The float32 result into out's bfloat16 / float16, rounded to nearest even as Tensor.copy_
+// rounds (bfloat16: the high half of the float after adding 0x7FFF plus its lowest kept bit; a
+// NaN stays a quiet NaN), without a torch op per layer.
+void round_into(const float* y, torch::Tensor& out) {
+  const int64_t count = out.numel();
+  auto* o = reinterpret_cast<int16_t*>(out.data_ptr());
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, y + i);
+    __m256i half;
+    if (bf16) {
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(kept, _mm512_set1_epi32(0x7FFF))), 16);
+      rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      half = _mm512_cvtepi32_epi16(rounded);
+    } else {
+      half = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_mask_storeu_epi16(o + i, mask, half);
+  }
+}
 
 #endif  // TOKENMILL_PACKED_INT_AVX512
 
@@ -502,21 +542,34 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
 #else
   const bool bf16 = false;
 #endif
-  auto staged = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
-  if (bf16) {
-    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, staged.data_ptr<c10::BFloat16>());
-  } else if (x.scalar_type() == torch::kFloat32) {
-    stage_rows<float, float>(x, index, kp, staged.data_ptr<float>());
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    stage_rows<c10::BFloat16, float>(x, index, kp, staged.data_ptr<float>());
+  torch::Tensor staged_tensor, y_tensor;  // the float path's; the integer path's are decode_scratch
+  void* staged = nullptr;
+  if (integer) {
+    staged = decode_scratch(kStagedSlot, m * kp);
   } else {
-    stage_rows<c10::Half, float>(x, index, kp, staged.data_ptr<float>());
+    staged_tensor = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+    staged = staged_tensor.data_ptr();
+  }
+  if (bf16) {
+    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, static_cast<c10::BFloat16*>(staged));
+  } else if (x.scalar_type() == torch::kFloat32) {
+    stage_rows<float, float>(x, index, kp, static_cast<float*>(staged));
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    stage_rows<c10::BFloat16, float>(x, index, kp, static_cast<float*>(staged));
+  } else {
+    stage_rows<c10::Half, float>(x, index, kp, static_cast<float*>(staged));
   }
   const bool in_place = out.scalar_type() == torch::kFloat32;
-  torch::Tensor y = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
-  const Operands op{staged.data_ptr(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+  float* y = in_place ? out.data_ptr<float>() : nullptr;
+  if (!in_place && integer) {
+    y = decode_scratch(kResultSlot, m * out_features);
+  } else if (!in_place) {
+    y_tensor = torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+    y = y_tensor.data_ptr<float>();
+  }
+  const Operands op{staged, packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
                     zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y,
                     groups, kp, out_features, scales.size(1)};
 #if defined(TOKENMILL_PACKED_INT_VNNI)
   if (integer) {
@@ -535,7 +588,7 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
       bf16 ? product<8, true>(op, m) : product<8, false>(op, m);
     }
   }
-  if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
+  if (!in_place) round_into(y, out);
 #else
   TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
 #endif
