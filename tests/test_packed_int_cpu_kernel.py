@@ -8,7 +8,8 @@ passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither g
 last group partial, as GPTQ allows) and, for one group over all inputs, not a multiple of the
 kernel's 8-position blocks. Act order: a shuffled g_idx (AutoGPTQ's) and an uneven one (groups
 of any size, each padded on its own). With AVX512_VNNI, up to 8 rows of x take the integer path
-(x rounded to int8 planes per row and group), so M = 1, 7 and 8 run it and 9 and 64 the float one;
+(x rounded to int8 planes per row and group; bfloat16 / float16 x up to 8 rows, float32 up to 4),
+so M = 1 and 4 run it, 8 too in half precision, and 7, 8, 9 and 64 the float one in float32;
 its own test checks the planes' stated bound input by input, with outliers, an all-zero group and
 rows near float32's smallest normal. The layer tests check that GPTQ, AWQ and compressed-tensors
 layers take the kernel, loaded from their on-disk tensors by the conformance kit's loader.
@@ -88,7 +89,7 @@ def test_the_kernel_is_the_dequantised_product(bits: int, group_size: int, order
     bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
     weights = pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
     weight = dequantize_grouped(q, zeros, scales, g_idx).double()
-    for m in (1, 7, 8, 9, 64):  # the integer decode path (VNNI) up to 8 rows, the float one above
+    for m in (1, 4, 5, 7, 8, 9, 64):  # each side of the integer path's crossovers (VNNI: 4 and 8 rows)
         for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, torch.finfo(torch.bfloat16).eps)):
             x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)  # bfloat16: the pairs form
             out = cpu_packed_int_linear(x, weights)
@@ -118,18 +119,18 @@ def test_decode_rows_are_within_their_planes_rounding(bits: int, dtype: torch.dt
     float32 sums. One plane fewer would be 254 times that and fails it (outliers make s large)."""
     q, zeros, scales, g_idx = _layer_values(bits, 32, "shuffled", False)
     weight = dequantize_grouped(q, zeros, scales, g_idx).double()
-    x = torch.randn(8, K, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6))  # 4: float32's integer rows too
     x[:, 5] *= 1000  # an outlier input in every row
     x[:, g_idx == 1] = 0  # an all-zero group: a zero scale
-    x[3] *= 1e-20
-    x[4] = 0
+    x[2] *= 1e-20
+    x[3] = 0
     x = x.to(dtype).double()
     out = cpu_packed_int_linear(x.to(dtype), pack_for_cpu(q, zeros, scales, g_idx, bits)).double()
     expected = x @ weight
     planes_bound = (_largest_in_group(x, g_idx) / (127 * 2 * 254 ** (planes - 1))) @ weight.abs()
     rounding = torch.finfo(dtype).eps * expected.abs() + 1e-6 * (x.abs() @ weight.abs())
     assert torch.all((out - expected).abs() <= planes_bound + rounding)
-    assert torch.equal(out[4], torch.zeros(N, dtype=torch.float64))
+    assert torch.equal(out[3], torch.zeros(N, dtype=torch.float64))
 
 
 def test_decode_rows_near_the_smallest_float_stay_finite() -> None:

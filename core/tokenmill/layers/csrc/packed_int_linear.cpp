@@ -280,7 +280,7 @@ float* decode_scratch(DecodeSlot slot, int64_t floats) {
 }
 
 #if defined(TOKENMILL_PACKED_INT_VNNI)
-// The integer decode path (AVX512_VNNI), for up to kIntegerRowsMax rows of x. The float path spends
+// The integer decode path (AVX512_VNNI), for up to 8 rows of x (integer_rows_max). The float path spends
 // ~36 vector instructions on a 64-byte block of 4-bit values (unpacking, converting, one FMA or
 // dot product per row of them), so decode is compute-bound; here a block is two ands and a shift,
 // and each row of x costs two vpdpbusd per plane (8-bit values: one, no unpacking at all).
@@ -303,7 +303,10 @@ float* decode_scratch(DecodeSlot slot, int64_t floats) {
 // and float16's (5e-4), where a third plane would cost a third more instructions for nothing
 // visible. float32 x takes 3 (~1e-7, float32's own accumulation error): 2 planes' 3e-5 would
 // break the float path's 1e-5 bound that float32 callers are promised.
-constexpr int64_t kIntegerRowsMax = 8;  // the crossover with the float path, measured (docs in the report)
+// The crossover with the float path, measured (tiny Llama's layers, bfloat16 and float32 x, M = 1,
+// 2, 4, 8): 2 planes win up to 8 rows (4-bit M = 8: ~25% faster; 8-bit: even), 3 planes up to 4
+// (at 8 their 24 sums no longer fit the registers: ~30% slower than the float path).
+constexpr int64_t integer_rows_max(bool half_x) { return half_x ? 8 : 4; }
 constexpr float kPlaneRatio = 254.0f;    // each plane's step: the previous one's / 254
 
 // Whether the int32 sums of a group cannot overflow: (2^bits - 1) * 127 * its inputs < 2^31.
@@ -533,7 +536,8 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
   const int32_t* index = x_index.data_ptr<int32_t>();
   const int64_t groups = group_start.size(0) - 1;
 #if defined(TOKENMILL_PACKED_INT_VNNI)
-  const bool integer = m <= kIntegerRowsMax && integer_sums_fit(bits, group_start.data_ptr<int32_t>(), groups);
+  const bool half_x = x.scalar_type() != torch::kFloat32;  // 2 planes for 8 / 11 significant bits, else 3
+  const bool integer = m <= integer_rows_max(half_x) && integer_sums_fit(bits, group_start.data_ptr<int32_t>(), groups);
 #else
   const bool integer = false;
 #endif
@@ -573,11 +577,10 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
                     groups, kp, out_features, scales.size(1)};
 #if defined(TOKENMILL_PACKED_INT_VNNI)
   if (integer) {
-    const bool half = x.scalar_type() != torch::kFloat32;  // 2 planes for 8 / 11 significant bits, else 3
     if (bits == 4) {
-      half ? integer_product<4, 2>(op, m) : integer_product<4, 3>(op, m);
+      half_x ? integer_product<4, 2>(op, m) : integer_product<4, 3>(op, m);
     } else {
-      half ? integer_product<8, 2>(op, m) : integer_product<8, 3>(op, m);
+      half_x ? integer_product<8, 2>(op, m) : integer_product<8, 3>(op, m);
     }
   }
 #endif
