@@ -3,15 +3,15 @@
 The reference is the dequantise-then-matmul definition (tokenmill.layers.dequantize_grouped, the
 product in float64). The kernel dequantises the same integers exactly and sums in float32, so
 the bound is the float32 accumulation's: a relative error of 1e-5 (the conformance kits' bound
-for weight-only methods). Shapes: M = 1, 7, 64 (one pass of 8 rows, a partial one, eight
-passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither group size (the
+for weight-only methods). Shapes: M = 1, 7, 64 and more (one pass of 8 rows, a partial
+one, eight passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither group size (the
 last group partial, as GPTQ allows) and, for one group over all inputs, not a multiple of the
 kernel's 8-position blocks. Act order: a shuffled g_idx (AutoGPTQ's) and an uneven one (groups
 of any size, each padded on its own). With AVX512_VNNI, up to 8 rows of x take the integer path
-(x rounded to int8 planes per row and group; bfloat16 / float16 x up to 8 rows, float32 up to 4),
-so M = 1 and 4 run it, 8 too in half precision, and 7, 8, 9 and 64 the float one in float32;
-its own test checks the planes' stated bound input by input, with outliers, an all-zero group and
-rows near float32's smallest normal. The layer tests check that GPTQ, AWQ and compressed-tensors
+(x rounded to int8 planes per row and group; bfloat16 / float16 x up to 8 rows, float32 up to 4):
+M = 1 and 4 run it, 5 to 8 run it in half precision and the float path in float32, 9 and 64 the
+float path; its own test checks the planes' stated bound input by input, with outliers, an
+all-zero group and rows near float32's smallest normal. The layer tests check that GPTQ, AWQ and compressed-tensors
 layers take the kernel, loaded from their on-disk tensors by the conformance kit's loader.
 """
 

@@ -24,6 +24,8 @@
 // integers), two products an instruction, summed in float32 as the FMAs are; from 9 rows of such x
 // on, each tile is dequantised once into bfloat16 pairs that every chunk of 8 rows then reads. Up
 // to 3 rows of x keep 4 / rows independent sums each, so that decode is not one chain of FMAs.
+// With AVX512_VNNI, decode's few rows take the integer path instead (below: x rounded to int8
+// planes, the values multiplied as they are by vpdpbusd), within a bound stated there.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
