@@ -3,11 +3,15 @@
 The reference is the dequantise-then-matmul definition (tokenmill.layers.dequantize_grouped, the
 product in float64). The kernel dequantises the same integers exactly and sums in float32, so
 the bound is the float32 accumulation's: a relative error of 1e-5 (the conformance kits' bound
-for weight-only methods). Shapes: M = 1, 7, 64 (one pass of 8 rows, a partial one, eight
-passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither group size (the
+for weight-only methods). Shapes: M = 1, 7, 64 and more (one pass of 8 rows, a partial
+one, eight passes); N = 33 (a partial tile of 16 outputs); K = 200, a multiple of neither group size (the
 last group partial, as GPTQ allows) and, for one group over all inputs, not a multiple of the
 kernel's 8-position blocks. Act order: a shuffled g_idx (AutoGPTQ's) and an uneven one (groups
-of any size, each padded on its own). The layer tests check that GPTQ, AWQ and compressed-tensors
+of any size, each padded on its own). With AVX512_VNNI, up to 8 rows of x take the integer path
+(x rounded to int8 planes per row and group; bfloat16 / float16 x up to 8 rows, float32 up to 4):
+M = 1 and 4 run it, 5 to 8 run it in half precision and the float path in float32, 9 and 64 the
+float path; its own test checks the planes' stated bound input by input, with outliers, an
+all-zero group and rows near float32's smallest normal. The layer tests check that GPTQ, AWQ and compressed-tensors
 layers take the kernel, loaded from their on-disk tensors by the conformance kit's loader.
 """
 
@@ -30,14 +34,19 @@ from tokenmill.layers import (
     cpu_packed_int_weights,
     dequantize_grouped,
     pack_for_cpu,
+    packed_int_integer_decode,
     packed_int_kernel_runs,
 )
 from tokenmill.testing.quantization import QuantizationConformance, QuantizedWeights, random_weight
 
 
-def _has_avx512() -> bool:
+def _cpu_has(*flags: str) -> bool:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return all(flag in text for flag in ("avx512f", "avx512bw", "avx512vl"))
+    return all(flag in text for flag in flags)
+
+
+def _has_avx512() -> bool:
+    return _cpu_has("avx512f", "avx512bw", "avx512vl")
 
 
 pytestmark = pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 F/BW/VL on this CPU")
@@ -80,12 +89,58 @@ def test_the_kernel_is_the_dequantised_product(bits: int, group_size: int, order
     bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
     weights = pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
     weight = dequantize_grouped(q, zeros, scales, g_idx).double()
-    for m in (1, 7, 64):
+    for m in (1, 4, 5, 7, 8, 9, 64):  # each side of the integer path's crossovers (VNNI: 4 and 8 rows)
         for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, torch.finfo(torch.bfloat16).eps)):
             x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)  # bfloat16: the pairs form
             out = cpu_packed_int_linear(x, weights)
             assert out.shape == (m, N) and out.dtype == dtype
             assert _relative_error(out, x.double() @ weight + bias.double()) <= bound
+
+
+def test_decode_rows_take_the_integer_path_where_the_cpu_has_vnni() -> None:
+    assert packed_int_integer_decode() == _cpu_has("avx512_vnni")
+
+
+def _largest_in_group(x: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """Each input's group's largest |x|, row by row: the scale of the row's int8 planes there."""
+    largest = torch.zeros_like(x)
+    for g in g_idx.unique():
+        inputs = g_idx == g
+        largest[:, inputs] = x[:, inputs].abs().amax(1, keepdim=True)
+    return largest
+
+
+@pytest.mark.skipif(not _cpu_has("avx512_vnni"), reason="no AVX512_VNNI: decode rows take the float path")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("dtype", "planes"), [(torch.float32, 3), (torch.bfloat16, 2), (torch.float16, 2)], ids=str)
+def test_decode_rows_are_within_their_planes_rounding(bits: int, dtype: torch.dtype, planes: int) -> None:
+    """The integer path's bound, input by input: each x within s / (2 * 254^(planes - 1)) of its
+    planes, s = its group's largest |x| / 127; plus the output's rounding to x's dtype and the
+    float32 sums. One plane fewer would be 254 times that and fails it (outliers make s large)."""
+    q, zeros, scales, g_idx = _layer_values(bits, 32, "shuffled", False)
+    weight = dequantize_grouped(q, zeros, scales, g_idx).double()
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6))  # 4: float32's integer rows too
+    x[:, 5] *= 1000  # an outlier input in every row
+    x[:, g_idx == 1] = 0  # an all-zero group: a zero scale
+    x[2] *= 1e-20
+    x[3] = 0
+    x = x.to(dtype).double()
+    out = cpu_packed_int_linear(x.to(dtype), pack_for_cpu(q, zeros, scales, g_idx, bits)).double()
+    expected = x @ weight
+    planes_bound = (_largest_in_group(x, g_idx) / (127 * 2 * 254 ** (planes - 1))) @ weight.abs()
+    rounding = torch.finfo(dtype).eps * expected.abs() + 1e-6 * (x.abs() @ weight.abs())
+    assert torch.all((out - expected).abs() <= planes_bound + rounding)
+    assert torch.equal(out[3], torch.zeros(N, dtype=torch.float64))
+
+
+def test_decode_rows_near_the_smallest_float_stay_finite() -> None:
+    """A group's later planes whose step is below float32's smallest normal stay 0 (no infinite
+    reciprocal times a zero remainder): the row keeps its first plane's precision."""
+    q, zeros, scales, g_idx = _layer_values(4, 32, "natural", False)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(8)) * 1e-35  # s ~ 1e-37: later steps below 1.2e-38
+    out = cpu_packed_int_linear(x, pack_for_cpu(q, zeros, scales, g_idx, 4))
+    assert torch.isfinite(out).all()
+    assert _relative_error(out, x.double() @ dequantize_grouped(q, zeros, scales, g_idx).double()) <= 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -8,7 +8,9 @@ words of 4- or 8-bit values regrouped in tiles of 16 outputs, the inputs reorder
 contiguous (act order: ``g_idx`` any assignment of inputs to groups; each call gathers x's
 columns in that order) and padded to a multiple of 8. The kernel dequantises in registers and
 multiplies in float32, so its output is the dequantised weight's product up to the order of
-the float32 sums: the torch path (:mod:`tokenmill.layers.packed_int`) stays the reference it is
+the float32 sums; with AVX512_VNNI, up to 8 rows of x (decode) are instead rounded to int8
+planes (2 for bfloat16 / float16 x, 3 for float32: within 2^-16 / 2^-23 of each group's largest
+|x|) and multiplied in int32, the weight's values untouched. The torch path (:mod:`tokenmill.layers.packed_int`) stays the reference it is
 tested against, and runs wherever the kernel does not (another device, no AVX-512, no compiler,
 2-bit values).
 
@@ -25,6 +27,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -107,7 +110,9 @@ def cpu_packed_int_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     if reason is not None:
         _chosen(method, f"torch reference: dequantise, then matmul ({reason})")
         return None
-    _chosen(method, f"the AVX-512 packed-int kernel ({bits}-bit values dequantised in registers)")
+    decode = ("up to 8 rows of x as int8 planes times the values by AVX512_VNNI" if packed_int_integer_decode()
+              else "no AVX512_VNNI: decode rows too")
+    _chosen(method, f"the AVX-512 packed-int kernel ({bits}-bit values dequantised in registers; {decode})")
     return pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
 
 
@@ -126,10 +131,21 @@ def _chosen(method: str, path: str) -> None:
     logger.info("%s linear layers on cpu: %s", method, path)
 
 
-@functools.cache
 def packed_int_kernel_runs() -> bool:
     """Whether the kernel is built for this CPU (compiled on first use, once per source and
     machine); loading it registers ``torch.ops.tokenmill_packed_int``. Logged once."""
+    return _kernel() is not None
+
+
+def packed_int_integer_decode() -> bool:
+    """Whether the kernel has its integer decode path (AVX512_VNNI): up to 8 rows of x staged as
+    int8 planes and multiplied by vpdpbusd, rather than the float path's dequantised values."""
+    module = _kernel()
+    return module is not None and "vnni" in module.isa()
+
+
+@functools.cache
+def _kernel() -> ModuleType | None:
     return optional_native_extension(MODULE_NAME, "packed-int", [SOURCE], CFLAGS, "packed-int CPU kernel",
                                      fallback="the torch path of GPTQ/AWQ/compressed-tensors int layers",
-                                     needs="AVX-512 F/BW/VL") is not None
+                                     needs="AVX-512 F/BW/VL")

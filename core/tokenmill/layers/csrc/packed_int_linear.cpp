@@ -24,6 +24,8 @@
 // integers), two products an instruction, summed in float32 as the FMAs are; from 9 rows of such x
 // on, each tile is dequantised once into bfloat16 pairs that every chunk of 8 rows then reads. Up
 // to 3 rows of x keep 4 / rows independent sums each, so that decode is not one chain of FMAs.
+// With AVX512_VNNI, decode's few rows take the integer path instead (below: x rounded to int8
+// planes, the values multiplied as they are by vpdpbusd), within a bound stated there.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
@@ -32,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -42,6 +45,9 @@
 #define TOKENMILL_PACKED_INT_AVX512 1
 #if defined(__AVX512BF16__)
 #define TOKENMILL_PACKED_INT_BF16 1  // bfloat16 x: vdpbf16ps on pairs of inputs
+#endif
+#if defined(__AVX512VNNI__)
+#define TOKENMILL_PACKED_INT_VNNI 1  // decode rows: int8 planes of x times the unsigned values by vpdpbusd
 #endif
 #endif
 
@@ -263,6 +269,229 @@ void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out*
   });
 }
 
+// Decode's few rows' staged x, planes, sums and float32 result live in buffers the calling thread
+// keeps (grow-only, and small: 8 rows at most), so that the many small layers of a
+// decode step allocate nothing.
+enum DecodeSlot { kStagedSlot, kPlanesSlot, kSumsSlot, kResultSlot, kDecodeSlots };
+
+float* decode_scratch(DecodeSlot slot, int64_t floats) {
+  static thread_local std::vector<float> buffers[kDecodeSlots];
+  auto& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+#if defined(TOKENMILL_PACKED_INT_VNNI)
+// The integer decode path (AVX512_VNNI), for up to 8 rows of x (integer_rows_max). The float path spends
+// ~36 vector instructions on a 64-byte block of 4-bit values (unpacking, converting, one FMA or
+// dot product per row of them), so decode is compute-bound; here a block is two ands and a shift,
+// and each row of x costs two vpdpbusd per plane (8-bit values: one, no unpacking at all).
+//
+// x is staged per (row, group) as int8 planes: x ≈ s * (p0 + p1 / 254 + p2 / 254^2), s = the
+// group's largest |x| / 127, each plane the rounded remainder of the ones before (a remainder is at
+// most half its step, so |p| <= 127 once the step is divided by 254). vpdpbusd multiplies the
+// values q (0 .. 2^bits - 1, its unsigned operand) by a plane (the signed one) and sums four
+// products into an int32 lane: no layout change, as w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F are
+// four values of one column (positions 0 2 4 6, then 1 3 5 7 of the word), so each 8 positions of
+// a 4-bit plane are staged in that order. At the end of a group, per plane, the int32 sum
+// (exact), minus zero * the plane's sum over the group (exact integers in float32 below 2^24), is
+// weighted by 254^-p, times s and the group's scale. So the result is the dequantised weight's
+// product with x̂, x rounded to the planes: |x̂ - x| <= s / (2 * 254^(planes - 1)) per input, up to
+// the float32 sums of the float path.
+//
+// Planes, by measured error against the float64 reference (tests/test_packed_int_cpu_kernel.py):
+// bfloat16 / float16 x (8 / 11 significant bits, the output rounded to as many) take 2, a step of
+// 2^-16 of the group's largest |x|: relative error ~3e-5, far below bfloat16's rounding (4e-3)
+// and float16's (5e-4), where a third plane would cost a third more instructions for nothing
+// visible. float32 x takes 3 (~1e-7, float32's own accumulation error): 2 planes' 3e-5 would
+// break the float path's 1e-5 bound that float32 callers are promised.
+// The crossover with the float path, measured (tiny Llama's layers, bfloat16 and float32 x, M = 1,
+// 2, 4, 8): 2 planes win up to 8 rows (4-bit M = 8: ~25% faster; 8-bit: even), 3 planes up to 4
+// (at 8 their 24 sums no longer fit the registers: ~30% slower than the float path).
+constexpr int64_t integer_rows_max(bool half_x) { return half_x ? 8 : 4; }
+constexpr float kPlaneRatio = 254.0f;    // each plane's step: the previous one's / 254
+
+// Whether the int32 sums of a group cannot overflow: (2^bits - 1) * 127 * its inputs < 2^31.
+bool integer_sums_fit(int64_t bits, const int32_t* group_start, int64_t groups) {
+  int64_t longest = 0;
+  for (int64_t g = 0; g < groups; ++g) longest = std::max<int64_t>(longest, group_start[g + 1] - group_start[g]);
+  return ((int64_t{1} << bits) - 1) * 127 * longest < (int64_t{1} << 31);
+}
+
+struct IntegerX {
+  const int32_t* planes;  // int8 [M][Planes][K_p] read as int32 words of 4 positions
+  const float* sums;      // [M][G][1 + Planes]: s, then each plane's sum over the group
+};
+
+// One row's group [k0, k1) of the float32 staged x into planes (4-bit: each 8 positions in the
+// nibbles' order 0 2 4 6 1 3 5 7) and its scale and sums.
+template <int Bits, int Planes>
+void quantise_group(const float* x, int64_t k0, int64_t k1, int64_t kp, int8_t* planes, float* sums) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 8)
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(0xFF, x + k)));
+  const float s = _mm512_reduce_max_ps(largest) / 127.0f;
+  sums[0] = s;
+  const __m128i order = Bits == 4 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                  : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i plane_sums[Planes];
+  for (int p = 0; p < Planes; ++p) plane_sums[p] = _mm512_setzero_si512();
+  for (int64_t k = k0; k < k1; k += 8) {
+    __m512 rest = _mm512_maskz_loadu_ps(0xFF, x + k);
+    float step = s;
+    for (int p = 0; p < Planes; ++p, step /= kPlaneRatio) {
+      // a step below the smallest normal float (x ~1e-32 and less, or all zero) has no finite
+      // reciprocal: its plane stays 0, which loses at most that step
+      const float reciprocal = step >= std::numeric_limits<float>::min() ? 1.0f / step : 0.0f;
+      const __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(reciprocal)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rounded), _mm512_set1_epi32(127)),
+                                         _mm512_set1_epi32(-127));
+      rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(step), rest);
+      plane_sums[p] = _mm512_add_epi32(plane_sums[p], q);
+      _mm_mask_storeu_epi8(planes + p * kp + k, 0xFF, _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), order));
+    }
+  }
+  for (int p = 0; p < Planes; ++p) sums[1 + p] = static_cast<float>(_mm512_reduce_add_epi32(plane_sums[p]));
+}
+
+// Every row's groups of the float32 staged x [M, K_p] into planes [M][Planes][K_p] and sums.
+template <int Bits, int Planes>
+void quantise_rows(const Operands& op, int64_t m, int8_t* planes, float* sums) {
+  const float* x = static_cast<const float*>(op.x);
+  tokenmill::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t g = 0; g < op.groups; ++g)
+        quantise_group<Bits, Planes>(x + row * op.kp, op.group_start[g], op.group_start[g + 1], op.kp,
+                                     planes + row * Planes * op.kp, sums + (row * op.groups + g) * (1 + Planes));
+  });
+}
+
+// Blocks of one group multiplied at once into their own sums, so that a decode row's vpdpbusd
+// are not one chain (their latency is several of their issue slots): about 8 independent sums.
+constexpr int blocks_in_flight(int rows, int planes) { return std::max(1, 8 / (rows * planes)); }
+
+// acc[p][r] += the block at position k times row r's plane p.
+template <int Bits, int Rows, int Planes>
+inline void multiply_block_int(__m512i (&acc)[Planes][kMaxRows], __m512i words, const int32_t* const* x,
+                               int64_t plane_words, int64_t k) {
+  if constexpr (Bits == 8) {
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < Planes; ++p)
+        acc[p][r] = _mm512_dpbusd_epi32(acc[p][r], words, _mm512_set1_epi32(x[r][p * plane_words + k / 4]));
+  } else {
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i low = _mm512_and_si512(words, nibbles), high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < Planes; ++p) {
+        const int32_t* plane = x[r] + p * plane_words + k / 4;
+        acc[p][r] = _mm512_dpbusd_epi32(acc[p][r], low, _mm512_set1_epi32(plane[0]));
+        acc[p][r] = _mm512_dpbusd_epi32(acc[p][r], high, _mm512_set1_epi32(plane[1]));
+      }
+  }
+}
+
+// y[m0 .. m0 + Rows, the tile's columns) by the integer path.
+template <int Bits, int Rows, int Planes>
+void tile_rows_int(const Operands& op, const IntegerX& ix, int64_t tile, int64_t m0) {
+  constexpr int rows_per_block = 32 / Bits, in_flight = blocks_in_flight(Rows, Planes);
+  const int64_t plane_words = op.kp / 4;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  const int32_t* x[kMaxRows];
+  for (int r = 0; r < Rows; ++r) x[r] = ix.planes + (m0 + r) * Planes * plane_words;
+  __m512 out[kMaxRows];
+  for (int r = 0; r < Rows; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
+    if (k0 == k1) continue;
+    __m512i acc[in_flight][Planes][kMaxRows];
+    for (int c = 0; c < in_flight; ++c)
+      for (int p = 0; p < Planes; ++p)
+        for (int r = 0; r < Rows; ++r) acc[c][p][r] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + in_flight * rows_per_block <= k1; k += in_flight * rows_per_block)
+      for (int c = 0; c < in_flight; ++c)
+        multiply_block_int<Bits, Rows, Planes>(
+            acc[c], _mm512_loadu_si512(blocks + (k / rows_per_block + c) * kTileCols), x, plane_words, k + c * rows_per_block);
+    for (; k < k1; k += rows_per_block)
+      multiply_block_int<Bits, Rows, Planes>(acc[0], _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols), x,
+                                             plane_words, k);
+    const int64_t column = g * op.padded_n + tile * kTileCols;
+    const __m512 zero = _mm512_sub_ps(_mm512_loadu_ps(op.zeros + column), _mm512_castsi512_ps(_mm512_set1_epi32(kMagic)));
+    const __m512 scale = _mm512_loadu_ps(op.scales + column);
+    for (int r = 0; r < Rows; ++r) {
+      const float* sums = ix.sums + ((m0 + r) * op.groups + g) * (1 + Planes);
+      __m512 dot = _mm512_setzero_ps();
+      float weight = 1.0f;
+      for (int p = 0; p < Planes; ++p, weight /= kPlaneRatio) {
+        __m512i total = acc[0][p][r];
+        for (int c = 1; c < in_flight; ++c) total = _mm512_add_epi32(total, acc[c][p][r]);
+        // sum of (q - zero) * plane over the group
+        const __m512 centred = _mm512_fnmadd_ps(zero, _mm512_set1_ps(sums[1 + p]), _mm512_cvtepi32_ps(total));
+        dot = _mm512_fmadd_ps(centred, _mm512_set1_ps(weight), dot);
+      }
+      out[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(sums[0])), scale, out[r]);
+    }
+  }
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
+template <int Bits, int Planes>
+void rows_of_tile_int(const Operands& op, const IntegerX& ix, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile_rows_int<Bits, 1, Planes>(op, ix, tile, m0); break;
+    case 2: tile_rows_int<Bits, 2, Planes>(op, ix, tile, m0); break;
+    case 3: tile_rows_int<Bits, 3, Planes>(op, ix, tile, m0); break;
+    case 4: tile_rows_int<Bits, 4, Planes>(op, ix, tile, m0); break;
+    case 5: tile_rows_int<Bits, 5, Planes>(op, ix, tile, m0); break;
+    case 6: tile_rows_int<Bits, 6, Planes>(op, ix, tile, m0); break;
+    case 7: tile_rows_int<Bits, 7, Planes>(op, ix, tile, m0); break;
+    default: tile_rows_int<Bits, 8, Planes>(op, ix, tile, m0); break;
+  }
+}
+
+// y = x @ W by the integer path: op.x is x staged as float32 [M, K_p].
+template <int Bits, int Planes>
+void integer_product(const Operands& op, int64_t m) {
+  auto* planes = reinterpret_cast<int8_t*>(decode_scratch(kPlanesSlot, m * Planes * op.kp / 4));
+  float* sums = decode_scratch(kSumsSlot, m * op.groups * (1 + Planes));
+  quantise_rows<Bits, Planes>(op, m, planes, sums);
+  const IntegerX ix{reinterpret_cast<const int32_t*>(planes), sums};
+  tokenmill::parallel_for(0, op.padded_n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        rows_of_tile_int<Bits, Planes>(op, ix, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
+  });
+}
+#endif  // TOKENMILL_PACKED_INT_VNNI
+
+// The float32 result into out's bfloat16 / float16, rounded to nearest even as Tensor.copy_
+// rounds (bfloat16: the high half of the float after adding 0x7FFF plus its lowest kept bit; a
+// NaN stays a quiet NaN), without a torch op per layer.
+void round_into(const float* y, torch::Tensor& out) {
+  const int64_t count = out.numel();
+  auto* o = reinterpret_cast<int16_t*>(out.data_ptr());
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, y + i);
+    __m256i half;
+    if (bf16) {
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(kept, _mm512_set1_epi32(0x7FFF))), 16);
+      rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      half = _mm512_cvtepi32_epi16(rounded);
+    } else {
+      half = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_mask_storeu_epi16(o + i, mask, half);
+  }
+}
+
 #endif  // TOKENMILL_PACKED_INT_AVX512
 
 void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
@@ -306,34 +535,65 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
 #if defined(TOKENMILL_PACKED_INT_AVX512)
   const int64_t m = x.size(0), kp = x_index.size(0);
   if (m == 0 || out_features == 0) return out;
+  const int32_t* index = x_index.data_ptr<int32_t>();
+  const int64_t groups = group_start.size(0) - 1;
+#if defined(TOKENMILL_PACKED_INT_VNNI)
+  const bool half_x = x.scalar_type() != torch::kFloat32;  // 2 planes for 8 / 11 significant bits, else 3
+  const bool integer = m <= integer_rows_max(half_x) && integer_sums_fit(bits, group_start.data_ptr<int32_t>(), groups);
+#else
+  const bool integer = false;
+#endif
 #if defined(TOKENMILL_PACKED_INT_BF16)
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const bool bf16 = x.scalar_type() == torch::kBFloat16 && !integer;  // the integer path stages float32 x
 #else
   const bool bf16 = false;
 #endif
-  auto staged = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
-  const int32_t* index = x_index.data_ptr<int32_t>();
-  if (bf16) {
-    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, staged.data_ptr<c10::BFloat16>());
-  } else if (x.scalar_type() == torch::kFloat32) {
-    stage_rows<float, float>(x, index, kp, staged.data_ptr<float>());
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    stage_rows<c10::BFloat16, float>(x, index, kp, staged.data_ptr<float>());
+  torch::Tensor staged_tensor, y_tensor;  // the float path's; the integer path's are decode_scratch
+  void* staged = nullptr;
+  if (integer) {
+    staged = decode_scratch(kStagedSlot, m * kp);
   } else {
-    stage_rows<c10::Half, float>(x, index, kp, staged.data_ptr<float>());
+    staged_tensor = torch::empty({m, kp}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+    staged = staged_tensor.data_ptr();
+  }
+  if (bf16) {
+    stage_rows<c10::BFloat16, c10::BFloat16>(x, index, kp, static_cast<c10::BFloat16*>(staged));
+  } else if (x.scalar_type() == torch::kFloat32) {
+    stage_rows<float, float>(x, index, kp, static_cast<float*>(staged));
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    stage_rows<c10::BFloat16, float>(x, index, kp, static_cast<float*>(staged));
+  } else {
+    stage_rows<c10::Half, float>(x, index, kp, static_cast<float*>(staged));
   }
   const bool in_place = out.scalar_type() == torch::kFloat32;
-  torch::Tensor y = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
-  const Operands op{staged.data_ptr(), packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                    zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                    group_start.size(0) - 1, kp, out_features, scales.size(1)};
-  if (bits == 4) {
-    bf16 ? product<4, true>(op, m) : product<4, false>(op, m);
-  } else {
-    bf16 ? product<8, true>(op, m) : product<8, false>(op, m);
+  float* y = in_place ? out.data_ptr<float>() : nullptr;
+  if (!in_place && integer) {
+    y = decode_scratch(kResultSlot, m * out_features);
+  } else if (!in_place) {
+    y_tensor = torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+    y = y_tensor.data_ptr<float>();
   }
-  if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
+  const Operands op{staged, packed.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                    zeros.data_ptr<float>(), group_start.data_ptr<int32_t>(),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y,
+                    groups, kp, out_features, scales.size(1)};
+#if defined(TOKENMILL_PACKED_INT_VNNI)
+  if (integer) {
+    if (bits == 4) {
+      half_x ? integer_product<4, 2>(op, m) : integer_product<4, 3>(op, m);
+    } else {
+      half_x ? integer_product<8, 2>(op, m) : integer_product<8, 3>(op, m);
+    }
+  }
+#endif
+  if (!integer) {
+    if (bits == 4) {
+      bf16 ? product<4, true>(op, m) : product<4, false>(op, m);
+    } else {
+      bf16 ? product<8, true>(op, m) : product<8, false>(op, m);
+    }
+  }
+  if (!in_place) round_into(y, out);
 #else
   TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
 #endif
@@ -350,7 +610,11 @@ torch::Tensor packed_int_linear(const torch::Tensor& x, const torch::Tensor& pac
 }
 
 std::string isa() {
-#if defined(TOKENMILL_PACKED_INT_BF16)
+#if defined(TOKENMILL_PACKED_INT_BF16) && defined(TOKENMILL_PACKED_INT_VNNI)
+  return "avx512_bf16+vnni";
+#elif defined(TOKENMILL_PACKED_INT_VNNI)
+  return "avx512+vnni";
+#elif defined(TOKENMILL_PACKED_INT_BF16)
   return "avx512_bf16";
 #elif defined(TOKENMILL_PACKED_INT_AVX512)
   return "avx512";
