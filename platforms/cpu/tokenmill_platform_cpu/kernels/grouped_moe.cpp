@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -462,8 +463,10 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
     position[p] = p;
   }
   const LaneBlocks<T> lb = lane_blocks(pb, g, token_at);
-  std::vector<T> h(static_cast<size_t>(pairs * I));
-  std::vector<float> by_pair(static_cast<size_t>(pairs * H));
+  // left uninitialised (a vector's zeros were a serial pass over both before the threads start):
+  // the passes write every element they read, h's rows of the dot-tile experts, all of by_pair
+  const std::unique_ptr<T[]> h(new T[pairs * I]);
+  const std::unique_ptr<float[]> by_pair(new float[pairs * H]);
   const auto up_items = balanced_items(g, I, [&](int64_t e) -> int64_t { return lb.takes(e) ? lanes::kGateCols : 2; });
   tokenmill::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -474,7 +477,7 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
           continue;
         }
 #endif
-      gate_up_item(pb, g, token_at, up_items[i], h.data());
+      gate_up_item(pb, g, token_at, up_items[i], h.get());
     }
   });
   const auto down_items =
@@ -484,11 +487,11 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
 #if defined(__AVX512F__)
       if constexpr (has_vector_body<T>())
         if (lb.takes(down_items[i].expert)) {
-          down_lane_item(pb, g, lb, down_items[i], by_pair.data());
+          down_lane_item(pb, g, lb, down_items[i], by_pair.get());
           continue;
         }
 #endif
-      down_item(pb, g, position, down_items[i], h.data(), by_pair.data());
+      down_item(pb, g, position, down_items[i], h.get(), by_pair.get());
     }
   });
   const int64_t k = pb.top_k;

@@ -35,6 +35,12 @@ using bf16 = c10::BFloat16;
 constexpr int kLanes = 16;      // pair rows per block: one float32 vector
 constexpr int kGateCols = 12;   // intermediate columns per gate/up tile (24 accumulators)
 constexpr int kDownCols = 24;   // hidden columns per down tile
+// How far ahead along a panel the tiles prefetch its weights. At a decode batch an expert's
+// panels are read once per call, from DRAM (a Mixtral layer's bfloat16 experts are 25 MB), and
+// the hardware prefetcher alone left a core waiting on them: a 24-column bfloat16 tile over
+// 25 MB of panels measured ~25% faster with 32 steps (3 KB) of lead on a quiet Zen 4 core
+// (the hot-cache tile's rate is the floor it approaches).
+constexpr int64_t kPrefetchSteps = 32;
 
 // elements of one k-step of one column: 1 (float32) or a pair (bfloat16)
 template <typename T>
@@ -80,6 +86,14 @@ void pack_rows(const T* const* rows, int count, int64_t k, T* dst) {
 }
 
 #if defined(__AVX512F__)
+// the panel's cache lines kPrefetchSteps k-steps past `w` (a step of `bytes`, at most two lines;
+// past the panel's end this is the next panel's start, which an item reads next)
+inline void prefetch_ahead(const void* w, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(w) + kPrefetchSteps * bytes;
+  __builtin_prefetch(ahead, 0, 3);
+  if (bytes > 64) __builtin_prefetch(ahead + 64, 0, 3);
+}
+
 // acc[j] lane m = sum over k of w[column j][k] * x[row m][k], for `panel` a tile packed as
 // above, `columns` its width (the stride of a k-step), N of them from `first`; x a
 // block of rows. Calls epilogue(acc) with the sums (inlined: the accumulators stay in
@@ -93,6 +107,7 @@ __attribute__((always_inline)) inline void lane_tile(const T* panel, int first, 
   if constexpr (std::is_same_v<T, float>) {
     const float* w = panel + first;
     for (int64_t s = 0; s < k_steps; ++s, w += Columns) {
+      prefetch_ahead(w, Columns * sizeof(float));
       const __m512 xv = _mm512_load_ps(x + s * kLanes);
 #pragma GCC unroll 32
       for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), xv, acc[j]);
@@ -101,6 +116,7 @@ __attribute__((always_inline)) inline void lane_tile(const T* panel, int first, 
 #if defined(__AVX512BF16__)
     const bf16* w = panel + 2 * first;
     for (int64_t s = 0; s < k_steps; ++s, w += 2 * Columns) {
+      prefetch_ahead(w, 2 * Columns * sizeof(bf16));
       __m512bh xv;
       const __m512i xi = _mm512_load_si512(x + s * 2 * kLanes);
       std::memcpy(&xv, &xi, sizeof(xv));
@@ -130,6 +146,7 @@ __attribute__((always_inline)) inline void half_lane_tile(const T* panel, int fi
   if constexpr (std::is_same_v<T, float>) {
     const float* w = panel + first;
     for (int64_t s = 0; s < k_steps; ++s, w += Columns) {
+      prefetch_ahead(w, Columns * sizeof(float));
       const __m256 xv = _mm256_loadu_ps(x + s * kLanes);
 #pragma GCC unroll 32
       for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), xv, acc[j]);
@@ -138,6 +155,7 @@ __attribute__((always_inline)) inline void half_lane_tile(const T* panel, int fi
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     const bf16* w = panel + 2 * first;
     for (int64_t s = 0; s < k_steps; ++s, w += 2 * Columns) {
+      prefetch_ahead(w, 2 * Columns * sizeof(bf16));
       __m256bh xv;
       const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + s * 2 * kLanes));
       std::memcpy(&xv, &xi, sizeof(xv));
