@@ -102,8 +102,9 @@ inline void dequantize_block(const uint8_t* block, __m512& lo, __m512& hi) {
 // y[n] for one row of x (a batch-1 decode) and one Q8_0 weight row, the scale applied per block
 // after the products: d * (q_lo . x_lo + q_hi . x_hi) is one multiply and two FMAs a block where
 // dequantising first ((d * q) . x) takes two multiplies and two FMAs. The decode step streams every
-// weight once, so what is left per byte is the conversions' and FMAs' issue: the multiply saved is
-// ~10% of a one-thread sweep of the tiny model's matmuls (CPU time; scripts/bench-gguf-matmul.py).
+// weight once, and one thread's loop is bound by the conversions' and FMAs' issue, not the bytes: the
+// multiply saved took a one-thread sweep of the tiny model's matmuls from 0.58-0.60 of the read bound to
+// 0.65-0.70 (CPU time on a shared machine; scripts/bench-gguf-matmul.py).
 // The products round as d * (q . x) rather than (d * q) . x: both the dequantised float product
 // within float32 summation error (d * q is exact in float32).
 inline float dot_row_q8_0(const float* x, const uint8_t* wrow, int64_t blocks) {
