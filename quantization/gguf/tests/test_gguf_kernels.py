@@ -68,7 +68,7 @@ def test_the_test_k_quantizer_packs_what_the_gguf_package_unpacks(qtype: GGMLQua
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", [1, 7, 9, 64])  # 9: a tile of 8 rows, then one (Q8_0's one-row loop) in the same call
 @pytest.mark.parametrize(("n", "blocks"), [(37, 13), (5, 1), (130, 3)])
 @requires_kernel
 def test_kernel_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int, n: int, blocks: int) -> None:

@@ -57,7 +57,10 @@ Activations = Literal["auto", "float32", "q8", "q8x2", "q8x3"]
 # With the scales gathered per tile (seventh session, scripts/bench-gguf-matmul.py, the tiny model's 33
 # matmuls at M = 1, CPU time on a shared machine) one plane is only 10-20% faster than three (Q4_0 2.5 against
 # 3.0 ms a sweep), not worth leaving the float tolerance for; Q8_0's planes now cost what its float path does
-# at M = 1 (and 1.5x less from M = 4), so its batch-1 choice stays "float32".
+# at M = 1 (and 1.5x less from M = 4), so its batch-1 choice stays "float32". Eighth session (same script,
+# one thread, CPU time, Q8_0 at M = 1, after the float loop's one-row form applies each block's scale after
+# its products): float32 3.1-3.7 ms a sweep (0.65-0.70 of the read bound), one plane ("q8", llama.cpp's
+# numerics) 5.3-6.6, three planes 5.4-6.4: one plane is no win for Q8_0 here either, so "auto" keeps "float32".
 AUTO_ACTIVATIONS: dict[GGMLQuantizationType, Activations] = {
     GGMLQuantizationType.Q4_0: "q8x3", GGMLQuantizationType.Q4_1: "q8x3",
     GGMLQuantizationType.Q5_0: "q8x3", GGMLQuantizationType.Q5_1: "q8x3",
