@@ -235,48 +235,63 @@ void pack_panel(const Operands& op, int64_t n0, int64_t Kp, int32_t* panel) {
   }
 }
 
-// y[m0 .. m0 + Rows, n0 .. n0 + 64) (columns past N not stored) from one packed panel; xu: the
-// quantised rows shifted to unsigned, Kp bytes apart.
-template <int Rows, typename Out>
-void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
-                Out* y) {
-  __m512i acc[Rows][kPanelVectors];
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_setzero_si512();
-  const uint8_t* rows = xu + m0 * Kp;
-  for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
-    const int32_t* words = panel + k4 * kPanelVectors * 16;
-    __m512i w[kPanelVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kPanelVectors; ++v) w[v] = _mm512_loadu_si512(words + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      int32_t four;
-      std::memcpy(&four, rows + r * Kp + 4 * k4, sizeof(four));
-      const __m512i xv = _mm512_set1_epi32(four);
-#pragma GCC unroll 4
-      for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xv, w[v]);
-    }
-  }
-  // (no early exit past N: indexing acc by a loop that may stop would keep it in memory, not registers)
-  // (and every loop over acc unrolled: an index the compiler cannot see would do the same)
+// Row m of y, columns [n0, n0 + 64) (those past N not stored), from its four finished int32 sums.
+template <typename Out>
+inline void scale_panel_row(const Operands& op, int64_t m, int64_t n0, __m512i s0, __m512i s1, __m512i s2, __m512i s3,
+                            Out* y) {
+  const __m512i sums[kPanelVectors] = {s0, s1, s2, s3};
+  const __m512 x_scale = _mm512_set1_ps(op.x_scale[m]);
 #pragma GCC unroll 4
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t n = n0 + 16 * v;
     const __mmask16 mask = n < op.N ? lanes16(op.N - n) : static_cast<__mmask16>(0);  // masked-off lanes never fault
     const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, op.w_row_sum + n), 7);  // 128 * rowsum
-    const __m512 w_scale = _mm512_maskz_loadu_ps(mask, op.w_scale + n);
-    const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i sums = _mm512_sub_epi32(acc[r][v], offset);
-      __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(op.x_scale[m0 + r])), w_scale);
-      if (op.bias != nullptr) out = _mm512_add_ps(out, bias);
-      store16(y + (m0 + r) * op.N + n, out, mask);
-    }
+    __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[v], offset)), x_scale),
+                               _mm512_maskz_loadu_ps(mask, op.w_scale + n));
+    if (op.bias != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, op.bias + n));
+    store16(y + m * op.N + n, out, mask);
   }
+}
+
+// y[m0 .. m0 + Rows, n0 .. n0 + 64) (columns past N not stored) from one packed panel; xu: the
+// quantised rows shifted to unsigned, Kp bytes apart. The 4 x Rows accumulators are named
+// variables, not an array: GCC 12 kept an array of them on the stack, a store and a load around
+// every vpdpbusd, which made the panels slower than torch._int_mm (and bfloat16) on an AMD
+// EPYC (Zen 4) at 64 rows. Rows past `Rows` are never touched and compiled away.
+template <int Rows, typename Out>
+void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
+                Out* y) {
+  static_assert(Rows >= 1 && Rows <= kPanelRows, "a register tile has 1 to kPanelRows input rows");
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i c00 = zero, c01 = zero, c02 = zero, c03 = zero, c10 = zero, c11 = zero, c12 = zero, c13 = zero;
+  __m512i c20 = zero, c21 = zero, c22 = zero, c23 = zero, c30 = zero, c31 = zero, c32 = zero, c33 = zero;
+  __m512i c40 = zero, c41 = zero, c42 = zero, c43 = zero, c50 = zero, c51 = zero, c52 = zero, c53 = zero;
+  const uint8_t* rows = xu + m0 * Kp;
+  for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
+    const int32_t* words = panel + k4 * kPanelVectors * 16;
+    const __m512i w0 = _mm512_loadu_si512(words), w1 = _mm512_loadu_si512(words + 16);
+    const __m512i w2 = _mm512_loadu_si512(words + 32), w3 = _mm512_loadu_si512(words + 48);
+    // input row r's 4 quantised values broadcast, times the panel's 64 weight rows
+#define TOKENMILL_PANEL_ROW(r)                                              \
+  if constexpr (Rows > r) {                                                 \
+    int32_t four;                                                           \
+    std::memcpy(&four, rows + r * Kp + 4 * k4, sizeof(four));               \
+    const __m512i xv = _mm512_set1_epi32(four);                             \
+    c##r##0 = _mm512_dpbusd_epi32(c##r##0, xv, w0);                         \
+    c##r##1 = _mm512_dpbusd_epi32(c##r##1, xv, w1);                         \
+    c##r##2 = _mm512_dpbusd_epi32(c##r##2, xv, w2);                         \
+    c##r##3 = _mm512_dpbusd_epi32(c##r##3, xv, w3);                         \
+  }
+    TOKENMILL_PANEL_ROW(0) TOKENMILL_PANEL_ROW(1) TOKENMILL_PANEL_ROW(2)
+    TOKENMILL_PANEL_ROW(3) TOKENMILL_PANEL_ROW(4) TOKENMILL_PANEL_ROW(5)
+#undef TOKENMILL_PANEL_ROW
+  }
+  scale_panel_row(op, m0, n0, c00, c01, c02, c03, y);
+  if constexpr (Rows > 1) scale_panel_row(op, m0 + 1, n0, c10, c11, c12, c13, y);
+  if constexpr (Rows > 2) scale_panel_row(op, m0 + 2, n0, c20, c21, c22, c23, y);
+  if constexpr (Rows > 3) scale_panel_row(op, m0 + 3, n0, c30, c31, c32, c33, y);
+  if constexpr (Rows > 4) scale_panel_row(op, m0 + 4, n0, c40, c41, c42, c43, y);
+  if constexpr (Rows > 5) scale_panel_row(op, m0 + 5, n0, c50, c51, c52, c53, y);
 }
 
 template <typename Out>
