@@ -111,35 +111,53 @@ inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
+// Row m of y, columns [n0, n0 + cols), from its four accumulators (one per weight row).
+template <typename Out>
+inline void scale_tile_row(const Operands& op, int64_t m, int64_t n0, int cols, __m512i a0, __m512i a1, __m512i a2,
+                           __m512i a3, Out* y) {
+  const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
+  const __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(valid, op.w_row_sum + n0), 7);  // 128 * rowsum
+  const __m128i sums = _mm_sub_epi32(sum4(a0, a1, a2, a3), offset);
+  __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(op.x_scale[m]));
+  v = _mm_mul_ps(v, _mm_maskz_loadu_ps(valid, op.w_scale + n0));
+  if (op.bias != nullptr) v = _mm_add_ps(v, _mm_maskz_loadu_ps(valid, op.bias + n0));
+  store16(y + m * op.N + n0, _mm512_castps128_ps512(v), static_cast<__mmask16>(valid));
+}
+
 // y[m0 .. m0 + Rows, n0 .. n0 + cols) for cols <= 4 weight rows (missing ones read as zeros).
+// The accumulators are named variables, as panel_tile's are (an array of them stayed on the stack).
 template <int Rows, typename Out>
 void tile(const Operands& op, int64_t m0, int64_t n0, int cols, Out* y) {
-  __m512i acc[Rows][kTile];
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_setzero_si512();
-  const int8_t* w[kTile];
-  for (int c = 0; c < kTile; ++c) w[c] = op.w + (n0 + std::min(c, cols - 1)) * op.K;
+  static_assert(Rows >= 1 && Rows <= kTile, "a register tile has 1 to kTile input rows");
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+  __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
+  const int8_t* w0 = op.w + n0 * op.K;
+  const int8_t* w1 = op.w + (n0 + std::min(1, cols - 1)) * op.K;
+  const int8_t* w2 = op.w + (n0 + std::min(2, cols - 1)) * op.K;
+  const int8_t* w3 = op.w + (n0 + std::min(3, cols - 1)) * op.K;
   const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));  // x_q + 128, as unsigned bytes
   for (int64_t k = 0; k < op.K; k += 64) {
     const __mmask64 mask = op.K - k >= 64 ? ~0ULL : (1ULL << (op.K - k)) - 1;
-    __m512i wv[kTile];
-    for (int c = 0; c < kTile; ++c) wv[c] = c < cols ? _mm512_maskz_loadu_epi8(mask, w[c] + k) : _mm512_setzero_si512();
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i xv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, op.xq + (m0 + r) * op.K + k), shift);
-      for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
-    }
+    const __m512i wv0 = _mm512_maskz_loadu_epi8(mask, w0 + k);
+    const __m512i wv1 = cols > 1 ? _mm512_maskz_loadu_epi8(mask, w1 + k) : zero;
+    const __m512i wv2 = cols > 2 ? _mm512_maskz_loadu_epi8(mask, w2 + k) : zero;
+    const __m512i wv3 = cols > 3 ? _mm512_maskz_loadu_epi8(mask, w3 + k) : zero;
+#define TOKENMILL_TILE_ROW(r)                                                                            \
+  if constexpr (Rows > r) {                                                                              \
+    const __m512i xv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, op.xq + (m0 + r) * op.K + k), shift); \
+    a##r##0 = _mm512_dpbusd_epi32(a##r##0, xv, wv0);                                                     \
+    a##r##1 = _mm512_dpbusd_epi32(a##r##1, xv, wv1);                                                     \
+    a##r##2 = _mm512_dpbusd_epi32(a##r##2, xv, wv2);                                                     \
+    a##r##3 = _mm512_dpbusd_epi32(a##r##3, xv, wv3);                                                     \
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
-  const __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(valid, op.w_row_sum + n0), 7);  // 128 * rowsum
-  const __m128 w_scale = _mm_maskz_loadu_ps(valid, op.w_scale + n0);
-  const __m128 bias = op.bias != nullptr ? _mm_maskz_loadu_ps(valid, op.bias + n0) : _mm_setzero_ps();
-  for (int r = 0; r < Rows; ++r) {
-    const __m128i sums = _mm_sub_epi32(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), offset);
-    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(op.x_scale[m0 + r]));
-    v = _mm_mul_ps(v, w_scale);
-    if (op.bias != nullptr) v = _mm_add_ps(v, bias);
-    store16(y + (m0 + r) * op.N + n0, _mm512_castps128_ps512(v), static_cast<__mmask16>(valid));
+    TOKENMILL_TILE_ROW(0) TOKENMILL_TILE_ROW(1) TOKENMILL_TILE_ROW(2) TOKENMILL_TILE_ROW(3)
+#undef TOKENMILL_TILE_ROW
   }
+  scale_tile_row(op, m0, n0, cols, a00, a01, a02, a03, y);
+  if constexpr (Rows > 1) scale_tile_row(op, m0 + 1, n0, cols, a10, a11, a12, a13, y);
+  if constexpr (Rows > 2) scale_tile_row(op, m0 + 2, n0, cols, a20, a21, a22, a23, y);
+  if constexpr (Rows > 3) scale_tile_row(op, m0 + 3, n0, cols, a30, a31, a32, a33, y);
 }
 
 template <typename Out>
