@@ -19,9 +19,11 @@
 //   for the cache) into an int32 [M, N], then one pass that scales it.
 // - "panels" (many rows): the weight packed per call, 64 rows at a time, into vpdpbusd's broadcast
 //   layout, 6 input rows by 64 weight rows in registers, scaled in registers (see product_by_panels).
-// "auto" takes tiles below kManyRowsFrom (8) rows, panels from there on (on the benchmark Llamas'
-// shapes, scripts/bench_int8_linear.py: panels 12% faster than tiles summed over the four at 8
-// rows, 19% slower at 4; a few to 20% faster than int_mm at 16-256 rows).
+// "auto" takes tiles below kManyRowsFrom (16) rows, int_mm from there on. (The sixth session
+// measured the panels a few to 20% faster than int_mm at 16-256 rows; on the AMD EPYC (Zen 4)
+// development VM of the eighth, one thread, CPU time, tiny gate_up [512 -> 3072]: tiles / int_mm /
+// panels 156 / 211 / 306 us at 12 rows, 380 / 275 / 557 at 24, 1616 / 744 / 1392 at 64, and int_mm
+// 1.9-2.3x the panels at 64 rows on all four tiny shapes, with no accumulator on the stack.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
@@ -45,7 +47,7 @@ namespace {
 
 constexpr int kTile = 4;             // input rows and weight rows of one register tile
 constexpr int64_t kRowChunk = 64;    // input rows a thread walks per weight tile
-constexpr int64_t kManyRowsFrom = 8;  // from here on, "auto" multiplies by kManyRows
+constexpr int64_t kManyRowsFrom = 16;  // from here on, "auto" multiplies by kManyRows
 constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
 constexpr float kInt8Max = 127.0f;
 
@@ -336,7 +338,7 @@ void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y
 }
 
 enum class Product { kTiles, kIntMm, kPanels };
-constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kManyRowsFrom rows on
+constexpr Product kManyRows = Product::kIntMm;  // what "auto" takes from kManyRowsFrom rows on
 
 // The rows of x quantised, shifted to unsigned and padded (with 128: times the panels' zero words)
 // to Kp bytes a row, for the panels.
