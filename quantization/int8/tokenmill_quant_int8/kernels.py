@@ -121,8 +121,8 @@ def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     ``weight_row_sum``: ``weight.sum(dim=1)`` in int32, kept with the layer. ``product``: how the
     kernel multiplies, ``"tiles"`` (its own VNNI loops over the weight as stored: few rows),
     ``"int_mm"`` (``torch._int_mm``, then its own scaling pass: many rows), ``"panels"`` (its own
-    VNNI tiles over weight panels it packs per call: many rows) or ``"auto"`` (tiles below 16
-    rows, int_mm from there on); all give the same bits."""
+    VNNI tiles over weight panels it packs per call: many rows) or ``"auto"`` (tiles below 8
+    rows, panels from there on); all give the same bits."""
     if not cpu_kernel_runs():  # (cached) loading the kernel registers its op
         raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
     return torch.ops.tokenmill_int8.w8a8_linear(x.contiguous(), weight, weight_scale, weight_row_sum,

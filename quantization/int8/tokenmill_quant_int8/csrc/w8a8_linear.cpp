@@ -19,11 +19,11 @@
 //   for the cache) into an int32 [M, N], then one pass that scales it.
 // - "panels" (many rows): the weight packed per call, 64 rows at a time, into vpdpbusd's broadcast
 //   layout, 6 input rows by 64 weight rows in registers, scaled in registers (see product_by_panels).
-// "auto" takes tiles below kManyRowsFrom (16) rows, int_mm from there on. (The sixth session
-// measured the panels a few to 20% faster than int_mm at 16-256 rows; on the AMD EPYC (Zen 4)
-// development VM of the eighth, one thread, CPU time, tiny gate_up [512 -> 3072]: tiles / int_mm /
-// panels 156 / 211 / 306 us at 12 rows, 380 / 275 / 557 at 24, 1616 / 744 / 1392 at 64, and int_mm
-// 1.9-2.3x the panels at 64 rows on all four tiny shapes, with no accumulator on the stack.)
+// "auto" takes tiles below kManyRowsFrom (8) rows, panels from there on (on the benchmark Llamas'
+// shapes, scripts/bench_int8_linear.py, the AMD EPYC (Zen 4) VM, one thread, CPU time: panels /
+// int_mm / tiles at 12 rows 136 / 168 / 159 us on tiny gate_up [512 -> 3072], at 64 rows 627 / 896
+// / 1301, and 206 / 204 on qkv, 97 / 114 on o, 273 / 307 on down; panel_tile's comment says why
+// it is compiled on its own).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
@@ -47,7 +47,7 @@ namespace {
 
 constexpr int kTile = 4;             // input rows and weight rows of one register tile
 constexpr int64_t kRowChunk = 64;    // input rows a thread walks per weight tile
-constexpr int64_t kManyRowsFrom = 16;  // from here on, "auto" multiplies by kManyRows
+constexpr int64_t kManyRowsFrom = 8;  // from here on, "auto" multiplies by kManyRows
 constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
 constexpr float kInt8Max = 127.0f;
 
@@ -274,12 +274,13 @@ inline void scale_panel_row(const Operands& op, int64_t m, int64_t n0, __m512i s
 }
 
 // y[m0 .. m0 + Rows, n0 .. n0 + 64) (columns past N not stored) from one packed panel; xu: the
-// quantised rows shifted to unsigned, Kp bytes apart. The 4 x Rows accumulators are named
-// variables, not an array: GCC 12 kept an array of them on the stack, a store and a load around
-// every vpdpbusd, which made the panels slower than torch._int_mm (and bfloat16) on an AMD
-// EPYC (Zen 4) at 64 rows. Rows past `Rows` are never touched and compiled away.
+// quantised rows shifted to unsigned, Kp bytes apart. Compiled on its own (noinline) with the
+// 4 x Rows accumulators as named variables: inlined into product_by_panels' loop, or with the
+// accumulators in an array, GCC 12 kept them on the stack, a store and a load around every
+// vpdpbusd, which made the panels 2.6x slower (slower than torch._int_mm, and than bfloat16, on
+// the AMD EPYC (Zen 4) VM at 64 rows). Rows past `Rows` are never touched and compiled away.
 template <int Rows, typename Out>
-void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
+__attribute__((noinline)) void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
                 Out* y) {
   static_assert(Rows >= 1 && Rows <= kPanelRows, "a register tile has 1 to kPanelRows input rows");
   const __m512i zero = _mm512_setzero_si512();
@@ -338,7 +339,7 @@ void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y
 }
 
 enum class Product { kTiles, kIntMm, kPanels };
-constexpr Product kManyRows = Product::kIntMm;  // what "auto" takes from kManyRowsFrom rows on
+constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kManyRowsFrom rows on
 
 // The rows of x quantised, shifted to unsigned and padded (with 128: times the panels' zero words)
 // to Kp bytes a row, for the panels.
