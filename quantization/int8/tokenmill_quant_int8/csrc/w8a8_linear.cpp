@@ -280,8 +280,8 @@ inline void scale_panel_row(const Operands& op, int64_t m, int64_t n0, __m512i s
 // vpdpbusd, which made the panels 2.6x slower (slower than torch._int_mm, and than bfloat16, on
 // the AMD EPYC (Zen 4) VM at 64 rows). Rows past `Rows` are never touched and compiled away.
 template <int Rows, typename Out>
-__attribute__((noinline)) void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
-                Out* y) {
+__attribute__((noinline)) void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel,
+                                          int64_t m0, int64_t n0, Out* y) {
   static_assert(Rows >= 1 && Rows <= kPanelRows, "a register tile has 1 to kPanelRows input rows");
   const __m512i zero = _mm512_setzero_si512();
   __m512i c00 = zero, c01 = zero, c02 = zero, c03 = zero, c10 = zero, c11 = zero, c12 = zero, c13 = zero;
