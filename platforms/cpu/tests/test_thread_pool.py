@@ -141,7 +141,9 @@ def test_machine_load_counts_other_processes_apart_from_our_own_threads(kernels)
         for thread in threads:
             thread.join()
     assert all(load["runnable"] >= load["ours"] >= 1 for load in loads)  # the reading thread is ours and runs
-    assert min(load["others"] for load in loads) >= 1  # two children always runnable: at least one seen each time
+    # the two children are always runnable (the median: a thread of ours changing state between the
+    # two reads of one sample moves that sample by one)
+    assert sorted(load["others"] for load in loads)[len(loads) // 2] >= 2
     assert max(load["ours"] for load in loads) >= 2  # a multiplying thread beside the reader
 
 
