@@ -25,9 +25,9 @@ struct MachineLoad {
 
 MachineLoad machine_load();
 
-// The least of `samples` readings of others(): a thread of ours changing state between the two
-// reads of one sample can count it as another's, never the other way for a task that stays
-// runnable. -1 where /proc cannot be read.
+// The least of `samples` readings of others(): another process's task that stays runnable is
+// in every reading, while a thread of ours changing state between a reading's two reads moves
+// that reading by one, either way. -1 where /proc cannot be read.
 int others_runnable(int samples);
 
 }  // namespace tokenmill
