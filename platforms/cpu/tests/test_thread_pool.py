@@ -5,7 +5,12 @@ measured by ``tokenmill bench throughput --background-load N``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,6 +40,26 @@ def _release(kernels) -> None:
             return
         kernels.thread_pool_observe(0.5)
     raise AssertionError("the contention gauge did not release on fair shares")
+
+
+@contextmanager
+def _busy_processes(count: int) -> Iterator[None]:
+    """``count`` other processes that always want a core (a pure-Python loop each), for the block."""
+    program = "print('busy', flush=True)\nwhile True:\n    pass\n"
+    children = [subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+                for _ in range(count)]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "busy"
+        yield
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def _each_kernel(kernels) -> list[torch.Tensor]:
@@ -71,17 +96,20 @@ def test_regions_run_on_the_platforms_thread_count_not_torchs(kernels):
 
 
 def test_the_contention_fallback_engages_and_releases(kernels):
-    """Fed the caller shares of regions whose workers claim nothing, the gauge sets torch to one
-    thread and runs regions on the caller; fed fair shares, it gives torch its threads back."""
+    """Beside other processes that want every core, fed the caller shares of regions whose workers
+    claim nothing, the gauge sets torch to one thread and runs regions on the caller; fed fair
+    shares, it gives torch its threads back."""
     _release(kernels)
     torch.set_num_threads(2)
     engaged_before = kernels.thread_pool_stats()["engagements"]
-    for _ in range(1000):
-        if kernels.thread_pool_stats()["contended"]:
-            break
-        kernels.thread_pool_observe(1.0)
+    with _busy_processes(_usable_cores()):
+        for _ in range(3000):  # past a pause of the gauge that an earlier test's overruling left
+            if kernels.thread_pool_stats()["contended"]:
+                break
+            kernels.thread_pool_observe(1.0)
     stats = kernels.thread_pool_stats()
     assert stats["contended"] and stats["engagements"] == engaged_before + 1 and stats["caller_share"] > 0.8
+    assert stats["others_runnable"] >= _usable_cores() - 1  # beyond the cores the region's two threads leave
     assert torch.get_num_threads() == 1
     kernels.set_thread_pool("openmp")
     reference = _each_kernel(kernels)
@@ -90,3 +118,51 @@ def test_the_contention_fallback_engages_and_releases(kernels):
         assert torch.equal(got, want)
     _release(kernels)
     assert torch.get_num_threads() == 2 and kernels.thread_pool_stats()["caller_share"] < 0.6
+
+
+def test_machine_load_counts_other_processes_apart_from_our_own_threads(kernels):
+    """The gauge's second opinion: busy children are others' load; busy threads of this process
+    (torch ops on two Python threads, the GIL released while they multiply) are ours."""
+    stop = threading.Event()
+
+    def multiply() -> None:
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            torch.mm(a, a)
+
+    threads = [threading.Thread(target=multiply) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        with _busy_processes(2):
+            loads = [kernels.machine_load() for _ in range(50)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert all(load["runnable"] >= load["ours"] >= 1 for load in loads)  # the reading thread is ours and runs
+    # the two children are always runnable (the median: a thread of ours changing state between the
+    # two reads of one sample moves that sample by one)
+    assert sorted(load["others"] for load in loads)[len(loads) // 2] >= 2
+    assert max(load["ours"] for load in loads) >= 2  # a multiplying thread beside the reader
+
+
+def test_the_gauge_is_overruled_where_no_other_process_wants_the_cores(kernels):
+    """Workers that miss their share with no other process runnable were held back by this
+    process's own threads (torch's spinning OpenMP team): one thread would be slower, so the
+    fallback stays off. Only checkable on a quiet machine."""
+    _release(kernels)
+    torch.set_num_threads(2)
+    spare = _usable_cores() - kernels.pool_threads()
+    if max(kernels.machine_load()["others"] for _ in range(20)) > spare:
+        pytest.skip("other processes are using the machine's cores")
+    overruled_before = kernels.thread_pool_stats()["overruled"]
+    for _ in range(3000):
+        kernels.thread_pool_observe(1.0)
+        if kernels.thread_pool_stats()["overruled"] > overruled_before:
+            break
+    stats = kernels.thread_pool_stats()
+    if stats["others_runnable"] > spare:
+        pytest.skip("another process became runnable while the gauge rose")
+    assert stats["overruled"] == overruled_before + 1 and not stats["contended"]
+    assert torch.get_num_threads() == 2

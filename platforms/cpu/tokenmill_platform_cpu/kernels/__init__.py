@@ -59,10 +59,10 @@ MODULE_NAME = "tokenmill_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bindings.cpp", "paged_attention.cpp", "cache_write.cpp", "layer_ops.cpp",
                           "small_matmul.cpp", "panel_matmul.cpp", "sampling.cpp", "step_graph.cpp", "thread_pool.cpp",
-                          "thread_binding.cpp", "lora_delta.cpp",
+                          "thread_binding.cpp", "machine_load.cpp", "lora_delta.cpp",
                           "grouped_moe.cpp")]
 _HEADERS = [Path(__file__).with_name(name)
-            for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h", "vector_avx2.h", "moe_lane_tiles.h")]
+            for name in ("vector_expf.h", "thread_pool.h", "thread_binding.h", "machine_load.h", "vector_avx2.h", "moe_lane_tiles.h")]
 # -ffast-math for the reassociated (vectorised) reductions, but not its finite-math
 # assumption: error isolation finds a broken request by the NaN or inf in its logits,
 # which every kernel on the way to them must carry through, not fold away (and

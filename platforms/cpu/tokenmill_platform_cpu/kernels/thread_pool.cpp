@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "machine_load.h"
 #include "thread_binding.h"
 #include "tokenmill/parallel_abi.h"
 
@@ -70,12 +71,18 @@ bool fallback_enabled() {
 // over the regions cut finely enough to tell (a few chunks per thread). Quiet, the caller runs
 // about 1/threads of them; when the other cores are busy with other processes, the workers
 // are seldom running and the caller runs nearly all. Two thresholds, so that it does not flap.
+// A rise the machine's load does not bear out (this process's own threads held the workers
+// back: machine_load.h) is overruled: the average starts again from fair after a pause.
 class ContentionGauge {
  public:
   // +1 when contention begins, -1 when it ends, else 0.
   int observe(double caller_share, int threads) {
     const double fair = 1.0 / threads;
     if (average_ < 0) average_ = fair;
+    if (paused_ > 0) {
+      --paused_;
+      return 0;
+    }
     average_ += (caller_share - average_) / kRegions;
     if (!contended_ && average_ > fair + 0.6 * (1 - fair)) {
       contended_ = true;
@@ -87,13 +94,22 @@ class ContentionGauge {
     }
     return 0;
   }
+  // The +1 just returned stands not: uncontended, the average back at fair, and the next
+  // kPauseRegions regions not counted (each overruling reads /proc: a few hundred us).
+  void overrule(int threads) {
+    contended_ = false;
+    average_ = 1.0 / threads;
+    paused_ = kPauseRegions;
+  }
   bool contended() const { return contended_; }
   double average() const { return average_; }
 
  private:
   static constexpr double kRegions = 64;  // regions the average spans, about
+  static constexpr int kPauseRegions = 1024;
   double average_ = -1;
   bool contended_ = false;
+  int paused_ = 0;
 };
 
 class ClaimPool {
@@ -138,12 +154,16 @@ class ClaimPool {
     if (error_) std::rethrow_exception(error_);
   }
 
-  // One region's caller share into the gauge; torch's threads follow its verdict. Called on the
-  // thread that steps the engine, whose OpenMP thread count torch's ops use.
+  // One region's caller share into the gauge; torch's threads follow its verdict, once the
+  // machine's load confirms it. Called on the thread that steps the engine, whose OpenMP thread
+  // count torch's ops use.
   void observe(double caller_share, int threads) {
     if (!fallback_) return;
     const int change = gauge_.observe(caller_share, threads);
-    if (change > 0) {
+    if (change > 0 && !others_want_our_cores(threads)) {
+      gauge_.overrule(threads);
+      ++overruled_;
+    } else if (change > 0) {
       torch_threads_ = at::get_num_threads();
       at::set_num_threads(1);
       ++engagements_;
@@ -160,6 +180,8 @@ class ClaimPool {
     out["contended"] = gauge_.contended();
     out["caller_share"] = gauge_.average();
     out["engagements"] = engagements_;
+    out["overruled"] = overruled_;
+    out["others_runnable"] = others_runnable_;
     out["fallback"] = fallback_;
     out["threads"] = plan_.threads;
     out["binding"] = thread_binding();
@@ -172,6 +194,16 @@ class ClaimPool {
   }
 
  private:
+  // Whether more of other processes' tasks are runnable than there are cores in the mask beside
+  // the region's threads: then a worker waits for a core because of them. Where /proc cannot
+  // be read, the gauge alone decides (yes).
+  bool others_want_our_cores(int threads) {
+    constexpr int kSamples = 3;
+    others_runnable_ = others_runnable(kSamples);
+    const int spare_cores = std::max(0, static_cast<int>(plan_.mask.size()) - threads);
+    return others_runnable_ < 0 || others_runnable_ > spare_cores;
+  }
+
   template <class T>
   static pybind11::list as_list(const std::vector<T>& values) {
     pybind11::list out;
@@ -289,6 +321,8 @@ class ClaimPool {
   ContentionGauge gauge_;
   int torch_threads_ = 0;  // torch's threads before the fallback set them to one
   int64_t engagements_ = 0;
+  int64_t overruled_ = 0;  // rises of the gauge the machine's load did not confirm
+  int others_runnable_ = -1;  // other processes' runnable tasks when the gauge last rose
   static constexpr int kProbeEvery = 16;  // while contended: regions per region run on the pool
   int since_probe_ = 0;
   BindPlan plan_;
@@ -406,6 +440,21 @@ void bind_thread_pool(pybind11::module& m) {
       "the binding: the mask it was planned from, each thread's core (the caller's first, not pinned; empty: "
       "none pinned), each worker's core (-1: not pinned) and kernel thread id, and the loops of plugin kernels "
       "run through parallel_backend");
+  m.def(
+      "machine_load",
+      [] {
+        tokenmill::MachineLoad load;
+        {
+          pybind11::gil_scoped_release reading;  // this process's Python threads run meanwhile, as they would
+          load = tokenmill::machine_load();
+        }
+        pybind11::dict out;
+        out["runnable"] = load.runnable;
+        out["ours"] = load.ours;
+        out["others"] = load.others();
+        return out;
+      },
+      "Runnable tasks on the machine now, this process's among them, and the others' (machine_load.h)");
   m.def(
       "thread_pool_observe", [](double caller_share) {
         tokenmill::current_pool().observe(caller_share, tokenmill::pool_threads());

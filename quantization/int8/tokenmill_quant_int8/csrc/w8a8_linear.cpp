@@ -20,8 +20,10 @@
 // - "panels" (many rows): the weight packed per call, 64 rows at a time, into vpdpbusd's broadcast
 //   layout, 6 input rows by 64 weight rows in registers, scaled in registers (see product_by_panels).
 // "auto" takes tiles below kManyRowsFrom (8) rows, panels from there on (on the benchmark Llamas'
-// shapes, scripts/bench_int8_linear.py: panels 12% faster than tiles summed over the four at 8
-// rows, 19% slower at 4; a few to 20% faster than int_mm at 16-256 rows).
+// shapes, scripts/bench_int8_linear.py, the AMD EPYC (Zen 4) VM, one thread, CPU time: panels /
+// int_mm / tiles at 12 rows 136 / 168 / 159 us on tiny gate_up [512 -> 3072], at 64 rows 627 / 896
+// / 1301, and 206 / 204 on qkv, 97 / 114 on o, 273 / 307 on down; panel_tile's comment says why
+// it is compiled on its own).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
@@ -111,35 +113,53 @@ inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
+// Row m of y, columns [n0, n0 + cols), from its four accumulators (one per weight row).
+template <typename Out>
+inline void scale_tile_row(const Operands& op, int64_t m, int64_t n0, int cols, __m512i a0, __m512i a1, __m512i a2,
+                           __m512i a3, Out* y) {
+  const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
+  const __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(valid, op.w_row_sum + n0), 7);  // 128 * rowsum
+  const __m128i sums = _mm_sub_epi32(sum4(a0, a1, a2, a3), offset);
+  __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(op.x_scale[m]));
+  v = _mm_mul_ps(v, _mm_maskz_loadu_ps(valid, op.w_scale + n0));
+  if (op.bias != nullptr) v = _mm_add_ps(v, _mm_maskz_loadu_ps(valid, op.bias + n0));
+  store16(y + m * op.N + n0, _mm512_castps128_ps512(v), static_cast<__mmask16>(valid));
+}
+
 // y[m0 .. m0 + Rows, n0 .. n0 + cols) for cols <= 4 weight rows (missing ones read as zeros).
+// The accumulators are named variables, as panel_tile's are (an array of them stayed on the stack).
 template <int Rows, typename Out>
 void tile(const Operands& op, int64_t m0, int64_t n0, int cols, Out* y) {
-  __m512i acc[Rows][kTile];
-  for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_setzero_si512();
-  const int8_t* w[kTile];
-  for (int c = 0; c < kTile; ++c) w[c] = op.w + (n0 + std::min(c, cols - 1)) * op.K;
+  static_assert(Rows >= 1 && Rows <= kTile, "a register tile has 1 to kTile input rows");
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+  __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
+  const int8_t* w0 = op.w + n0 * op.K;
+  const int8_t* w1 = op.w + (n0 + std::min(1, cols - 1)) * op.K;
+  const int8_t* w2 = op.w + (n0 + std::min(2, cols - 1)) * op.K;
+  const int8_t* w3 = op.w + (n0 + std::min(3, cols - 1)) * op.K;
   const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));  // x_q + 128, as unsigned bytes
   for (int64_t k = 0; k < op.K; k += 64) {
     const __mmask64 mask = op.K - k >= 64 ? ~0ULL : (1ULL << (op.K - k)) - 1;
-    __m512i wv[kTile];
-    for (int c = 0; c < kTile; ++c) wv[c] = c < cols ? _mm512_maskz_loadu_epi8(mask, w[c] + k) : _mm512_setzero_si512();
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i xv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, op.xq + (m0 + r) * op.K + k), shift);
-      for (int c = 0; c < kTile; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
-    }
+    const __m512i wv0 = _mm512_maskz_loadu_epi8(mask, w0 + k);
+    const __m512i wv1 = cols > 1 ? _mm512_maskz_loadu_epi8(mask, w1 + k) : zero;
+    const __m512i wv2 = cols > 2 ? _mm512_maskz_loadu_epi8(mask, w2 + k) : zero;
+    const __m512i wv3 = cols > 3 ? _mm512_maskz_loadu_epi8(mask, w3 + k) : zero;
+#define TOKENMILL_TILE_ROW(r)                                                                            \
+  if constexpr (Rows > r) {                                                                              \
+    const __m512i xv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, op.xq + (m0 + r) * op.K + k), shift); \
+    a##r##0 = _mm512_dpbusd_epi32(a##r##0, xv, wv0);                                                     \
+    a##r##1 = _mm512_dpbusd_epi32(a##r##1, xv, wv1);                                                     \
+    a##r##2 = _mm512_dpbusd_epi32(a##r##2, xv, wv2);                                                     \
+    a##r##3 = _mm512_dpbusd_epi32(a##r##3, xv, wv3);                                                     \
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << cols) - 1);
-  const __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(valid, op.w_row_sum + n0), 7);  // 128 * rowsum
-  const __m128 w_scale = _mm_maskz_loadu_ps(valid, op.w_scale + n0);
-  const __m128 bias = op.bias != nullptr ? _mm_maskz_loadu_ps(valid, op.bias + n0) : _mm_setzero_ps();
-  for (int r = 0; r < Rows; ++r) {
-    const __m128i sums = _mm_sub_epi32(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), offset);
-    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(op.x_scale[m0 + r]));
-    v = _mm_mul_ps(v, w_scale);
-    if (op.bias != nullptr) v = _mm_add_ps(v, bias);
-    store16(y + (m0 + r) * op.N + n0, _mm512_castps128_ps512(v), static_cast<__mmask16>(valid));
+    TOKENMILL_TILE_ROW(0) TOKENMILL_TILE_ROW(1) TOKENMILL_TILE_ROW(2) TOKENMILL_TILE_ROW(3)
+#undef TOKENMILL_TILE_ROW
   }
+  scale_tile_row(op, m0, n0, cols, a00, a01, a02, a03, y);
+  if constexpr (Rows > 1) scale_tile_row(op, m0 + 1, n0, cols, a10, a11, a12, a13, y);
+  if constexpr (Rows > 2) scale_tile_row(op, m0 + 2, n0, cols, a20, a21, a22, a23, y);
+  if constexpr (Rows > 3) scale_tile_row(op, m0 + 3, n0, cols, a30, a31, a32, a33, y);
 }
 
 template <typename Out>
@@ -235,48 +255,64 @@ void pack_panel(const Operands& op, int64_t n0, int64_t Kp, int32_t* panel) {
   }
 }
 
-// y[m0 .. m0 + Rows, n0 .. n0 + 64) (columns past N not stored) from one packed panel; xu: the
-// quantised rows shifted to unsigned, Kp bytes apart.
-template <int Rows, typename Out>
-void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel, int64_t m0, int64_t n0,
-                Out* y) {
-  __m512i acc[Rows][kPanelVectors];
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_setzero_si512();
-  const uint8_t* rows = xu + m0 * Kp;
-  for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
-    const int32_t* words = panel + k4 * kPanelVectors * 16;
-    __m512i w[kPanelVectors];
-#pragma GCC unroll 4
-    for (int v = 0; v < kPanelVectors; ++v) w[v] = _mm512_loadu_si512(words + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      int32_t four;
-      std::memcpy(&four, rows + r * Kp + 4 * k4, sizeof(four));
-      const __m512i xv = _mm512_set1_epi32(four);
-#pragma GCC unroll 4
-      for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xv, w[v]);
-    }
-  }
-  // (no early exit past N: indexing acc by a loop that may stop would keep it in memory, not registers)
-  // (and every loop over acc unrolled: an index the compiler cannot see would do the same)
+// Row m of y, columns [n0, n0 + 64) (those past N not stored), from its four finished int32 sums.
+template <typename Out>
+inline void scale_panel_row(const Operands& op, int64_t m, int64_t n0, __m512i s0, __m512i s1, __m512i s2, __m512i s3,
+                            Out* y) {
+  const __m512i sums[kPanelVectors] = {s0, s1, s2, s3};
+  const __m512 x_scale = _mm512_set1_ps(op.x_scale[m]);
 #pragma GCC unroll 4
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t n = n0 + 16 * v;
     const __mmask16 mask = n < op.N ? lanes16(op.N - n) : static_cast<__mmask16>(0);  // masked-off lanes never fault
     const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, op.w_row_sum + n), 7);  // 128 * rowsum
-    const __m512 w_scale = _mm512_maskz_loadu_ps(mask, op.w_scale + n);
-    const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i sums = _mm512_sub_epi32(acc[r][v], offset);
-      __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(op.x_scale[m0 + r])), w_scale);
-      if (op.bias != nullptr) out = _mm512_add_ps(out, bias);
-      store16(y + (m0 + r) * op.N + n, out, mask);
-    }
+    __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[v], offset)), x_scale),
+                               _mm512_maskz_loadu_ps(mask, op.w_scale + n));
+    if (op.bias != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, op.bias + n));
+    store16(y + m * op.N + n, out, mask);
   }
+}
+
+// y[m0 .. m0 + Rows, n0 .. n0 + 64) (columns past N not stored) from one packed panel; xu: the
+// quantised rows shifted to unsigned, Kp bytes apart. Compiled on its own (noinline) with the
+// 4 x Rows accumulators as named variables: inlined into product_by_panels' loop, or with the
+// accumulators in an array, GCC 12 kept them on the stack, a store and a load around every
+// vpdpbusd, which made the panels 2.6x slower (slower than torch._int_mm, and than bfloat16, on
+// the AMD EPYC (Zen 4) VM at 64 rows). Rows past `Rows` are never touched and compiled away.
+template <int Rows, typename Out>
+__attribute__((noinline)) void panel_tile(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* panel,
+                                          int64_t m0, int64_t n0, Out* y) {
+  static_assert(Rows >= 1 && Rows <= kPanelRows, "a register tile has 1 to kPanelRows input rows");
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i c00 = zero, c01 = zero, c02 = zero, c03 = zero, c10 = zero, c11 = zero, c12 = zero, c13 = zero;
+  __m512i c20 = zero, c21 = zero, c22 = zero, c23 = zero, c30 = zero, c31 = zero, c32 = zero, c33 = zero;
+  __m512i c40 = zero, c41 = zero, c42 = zero, c43 = zero, c50 = zero, c51 = zero, c52 = zero, c53 = zero;
+  const uint8_t* rows = xu + m0 * Kp;
+  for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
+    const int32_t* words = panel + k4 * kPanelVectors * 16;
+    const __m512i w0 = _mm512_loadu_si512(words), w1 = _mm512_loadu_si512(words + 16);
+    const __m512i w2 = _mm512_loadu_si512(words + 32), w3 = _mm512_loadu_si512(words + 48);
+    // input row r's 4 quantised values broadcast, times the panel's 64 weight rows
+#define TOKENMILL_PANEL_ROW(r)                                              \
+  if constexpr (Rows > r) {                                                 \
+    int32_t four;                                                           \
+    std::memcpy(&four, rows + r * Kp + 4 * k4, sizeof(four));               \
+    const __m512i xv = _mm512_set1_epi32(four);                             \
+    c##r##0 = _mm512_dpbusd_epi32(c##r##0, xv, w0);                         \
+    c##r##1 = _mm512_dpbusd_epi32(c##r##1, xv, w1);                         \
+    c##r##2 = _mm512_dpbusd_epi32(c##r##2, xv, w2);                         \
+    c##r##3 = _mm512_dpbusd_epi32(c##r##3, xv, w3);                         \
+  }
+    TOKENMILL_PANEL_ROW(0) TOKENMILL_PANEL_ROW(1) TOKENMILL_PANEL_ROW(2)
+    TOKENMILL_PANEL_ROW(3) TOKENMILL_PANEL_ROW(4) TOKENMILL_PANEL_ROW(5)
+#undef TOKENMILL_PANEL_ROW
+  }
+  scale_panel_row(op, m0, n0, c00, c01, c02, c03, y);
+  if constexpr (Rows > 1) scale_panel_row(op, m0 + 1, n0, c10, c11, c12, c13, y);
+  if constexpr (Rows > 2) scale_panel_row(op, m0 + 2, n0, c20, c21, c22, c23, y);
+  if constexpr (Rows > 3) scale_panel_row(op, m0 + 3, n0, c30, c31, c32, c33, y);
+  if constexpr (Rows > 4) scale_panel_row(op, m0 + 4, n0, c40, c41, c42, c43, y);
+  if constexpr (Rows > 5) scale_panel_row(op, m0 + 5, n0, c50, c51, c52, c53, y);
 }
 
 template <typename Out>
