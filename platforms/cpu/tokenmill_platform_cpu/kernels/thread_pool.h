@@ -19,6 +19,9 @@
 // regions on the calling thread alone, and sets torch's own ops (its matmuls and elementwise
 // ops between the kernels, OpenMP's) to one thread, until the workers, still sent one region
 // in 16 to see, claim their share again (TOKENMILL_CPU_CONTENTION_FALLBACK=0 turns it off).
+// Late workers alone do not prove other processes: torch's own OpenMP team spinning after its
+// ops also holds them back. So the machine's load confirms a rise first (machine_load.h: other
+// processes' runnable tasks against the cores the region leaves free); unconfirmed, it is overruled.
 //
 // TOKENMILL_CPU_THREAD_POOL=openmp (or set_thread_pool("openmp")) runs at::parallel_for
 // instead, to compare.
