@@ -128,13 +128,16 @@ def gpu_kernel(qtype: GGMLQuantizationType) -> Literal["triton", "torch"]:
     """What multiplies ``qtype``'s blocks on a CUDA GPU: ``"triton"`` (the Triton kernel, which
     dequantises them in registers inside the matmul) where triton imports and the kernel reads the
     type, else ``"torch"`` (the reference); logged once per type with the reason."""
+    kernel: Literal["triton", "torch"] = "torch"
     try:
         from tokenmill_quant_gguf.triton_kernels import TRITON_TYPES
     except ImportError:
-        kernel, reason = "torch", "the torch reference: triton is not installed"
+        reason = "the torch reference: triton is not installed"
     else:
-        kernel, reason = ("triton", "the Triton kernel (blocks dequantised in registers inside the matmul)") \
-            if qtype in TRITON_TYPES else ("torch", "the torch reference: the Triton kernel does not read this type")
+        if qtype in TRITON_TYPES:
+            kernel, reason = "triton", "the Triton kernel (blocks dequantised in registers inside the matmul)"
+        else:
+            reason = "the torch reference: the Triton kernel does not read this type"
     logger.info("GGUF %s layers on cuda: %s", qtype.name, reason)
     return kernel
 
