@@ -143,6 +143,18 @@ def test_decode_rows_near_the_smallest_float_stay_finite() -> None:
     assert _relative_error(out, x.double() @ dequantize_grouped(q, zeros, scales, g_idx).double()) <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_nan_in_a_decode_row_reaches_its_outputs(dtype: torch.dtype) -> None:
+    """As in the float product, one NaN input makes its row's outputs NaN (the integer path's planes
+    would round it to a finite value) and leaves the other rows finite."""
+    q, zeros, scales, g_idx = _layer_values(4, 32, "natural", False)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    x[1, K // 3] = float("nan")
+    out = cpu_packed_int_linear(x, pack_for_cpu(q, zeros, scales, g_idx, 4))
+    assert torch.isnan(out[1]).all()
+    assert torch.isfinite(out[0]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_activations_are_rounded_once(dtype: torch.dtype) -> None:
     """x is read as it is (bfloat16 by pairs of inputs, float16 widened to float32) and the float32

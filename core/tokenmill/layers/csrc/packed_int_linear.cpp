@@ -328,10 +328,17 @@ struct IntegerX {
 template <int Bits, int Planes>
 void quantise_group(const float* x, int64_t k0, int64_t k1, int64_t kp, int8_t* planes, float* sums) {
   __m512 largest = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += 8)
-    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(0xFF, x + k)));
+  __mmask16 nan = 0;
+  for (int64_t k = k0; k < k1; k += 8) {
+    const __m512 v = _mm512_maskz_loadu_ps(0xFF, x + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
+  }
   const float s = _mm512_reduce_max_ps(largest) / 127.0f;
-  sums[0] = s;
+  // max drops NaN, and a NaN rounds to a plane's -127: the group's scale carries it instead, so
+  // that the row's outputs are NaN as the float product's are (a request's NaN logits are how the
+  // engine finds the one request a bad input broke)
+  sums[0] = nan ? std::numeric_limits<float>::quiet_NaN() : s;
   const __m128i order = Bits == 4 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
                                   : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i plane_sums[Planes];
