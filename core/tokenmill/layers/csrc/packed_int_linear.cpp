@@ -72,6 +72,16 @@ struct Operands {
   int64_t groups, kp, n, padded_n;
 };
 
+// Every path's epilogue: rows m0 .. m0 + Rows of one tile's 16 outputs, plus the bias, into y
+// (the last tile's padding columns masked off).
+template <int Rows>
+inline void store_tile_rows(const Operands& op, const __m512 (&out)[kMaxRows], int64_t tile, int64_t m0) {
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+}
+
 // Value row `Row` of a block minus the zeros, as 16 float32 (exact small integers).
 template <int Bits, int Row>
 inline __m512 value_row(__m512i words, __m512 zero) {
@@ -146,10 +156,7 @@ void tile_rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile
     const __m512 scale = _mm512_loadu_ps(op.scales + g * op.padded_n + tile * kTileCols);
     for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[r], scale, out[r]);
   }
-  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+  store_tile_rows<Rows>(op, out, tile, m0);
 }
 
 void rows_from_pairs(const Operands& op, const int32_t* pairs, int64_t tile, int64_t m0, int64_t rows) {
@@ -212,10 +219,7 @@ void tile_rows(const Operands& op, int64_t tile, int64_t m0) {
       for (int r = 0; r < Rows; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
     for (int r = 0; r < Rows; ++r) out[r] = _mm512_fmadd_ps(acc[0][r], scale, out[r]);
   }
-  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+  store_tile_rows<Rows>(op, out, tile, m0);
 }
 
 template <int Bits, bool Bf16>
@@ -440,10 +444,7 @@ void tile_rows_int(const Operands& op, const IntegerX& ix, int64_t tile, int64_t
       out[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(sums[0])), scale, out[r]);
     }
   }
-  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = op.bias != nullptr ? _mm512_maskz_loadu_ps(mask, op.bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(op.y + (m0 + r) * op.n + n0, mask, _mm512_add_ps(out[r], bias));
+  store_tile_rows<Rows>(op, out, tile, m0);
 }
 
 template <int Bits, int Planes>
