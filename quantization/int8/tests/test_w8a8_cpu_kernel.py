@@ -3,7 +3,8 @@
 The kernel does the torch path's operations in the same order (per-token scale, true
 division, round half to even, the exact int32 product, two float32 products, the bias), so
 the test asks for the same bits, not a tolerance: with both of its products (its own VNNI
-tiles, and torch._int_mm between its quantizing and scaling passes), on odd shapes (M = 1,
+tiles, torch._int_mm between its quantizing and scaling passes, its panels packed per call,
+and the panels a loaded layer packs once and keeps in place of its weight), on odd shapes (M = 1,
 7, 64; K not a multiple of the tiles' 64-byte step nor of 16; N not a multiple of their
 4 rows nor of the scaling pass's 16 lanes), in each activation dtype, with and without a
 bias, and with weights using all of int8 (-128 too, which a checkpoint may hold). A CPU
@@ -20,7 +21,13 @@ import torch
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.linear import Linear, load_weight, process_weights_after_loading
 from tokenmill_quant_int8.config import Int8W8A8Config
-from tokenmill_quant_int8.kernels import cpu_kernel_runs, w8a8_linear_cpu, w8a8_linear_torch
+from tokenmill_quant_int8.kernels import (
+    cpu_kernel_runs,
+    w8a8_linear_cpu,
+    w8a8_linear_packed_cpu,
+    w8a8_linear_torch,
+    w8a8_pack_panels_cpu,
+)
 
 
 def _has_vnni() -> bool:
@@ -88,11 +95,46 @@ def test_a_quantized_linear_layer_runs_the_kernel_with_the_torch_paths_output() 
     for shard, size in enumerate(sizes):
         load_weight(params["weight"], torch.randn(size, k, generator=generator).bfloat16(), shard)
     load_weight(params["bias"], torch.randn(sum(sizes), generator=generator).bfloat16())
-    process_weights_after_loading(layer)
+    process_weights_after_loading(layer)  # quantizes the float weight (online), then packs it
     assert layer.quant_method.fused_cpu  # type: ignore[union-attr]
-    weight, scale = layer.weight, layer.weight_scale
-    for rows in (3, 40):  # below and above the rows where "auto" changes products
+    scale = layer.weight_scale
+    quantized = _unpacked(layer.weight, sum(sizes), k)
+    for rows in (1, 3, 6, 7, 40):  # one register tile's rows, fewer, more, several tiles
         x = torch.randn(rows, 2, k, generator=generator).bfloat16()
-        expected = w8a8_linear_torch(x.reshape(2 * rows, k), weight, scale, layer.bias).reshape(rows, 2, sum(sizes))
+        expected = w8a8_linear_torch(x.reshape(2 * rows, k), quantized, scale, layer.bias).reshape(rows, 2, sum(sizes))
         assert torch.equal(layer(x), expected)
-    assert weight.dtype == torch.int8 and weight.shape == (sum(sizes), k)  # read as loaded, not repacked
+    # the weight is the kernel's panels now, in place of the row-major copy: its bytes, in
+    # whole panels of 64 rows by a multiple of 64 columns
+    assert layer.weight.dtype == torch.int8 and layer.weight.numel() == 128 * 128  # 128 rows; K = 96 padded to 128
+
+
+def _unpacked(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The row-major [n, k] weight back from its panels, in torch: panel p's word (k4, v, j) is
+    row 64 p + 16 v + j's bytes 4 k4 .. 4 k4 + 3 (the layout the kernel documents)."""
+    count, words = panels.shape[0], panels.shape[1]
+    rows = panels.reshape(count, words, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(count * 64, words * 4)
+    return rows[:n, :k]
+
+
+def test_panels_packed_at_load_give_the_torch_paths_bits() -> None:
+    """The product over panels packed once (what a loaded layer runs) on the odd shapes, for
+    every register tile's row count (1 to 6) and past it, with and without a bias."""
+    for m, k, n in [*SHAPES, (5, 64, 65), (6, 127, 64), (13, 1000, 130)]:
+        generator = torch.Generator().manual_seed(m * 1000 + k + n)
+        weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+        scale, row_sum = torch.rand(n, generator=generator) / 100, weight.sum(dim=1, dtype=torch.int32)
+        panels = w8a8_pack_panels_cpu(weight)
+        assert panels.shape == (-(-n // 64), -(-k // 64) * 16, 4, 64)
+        assert torch.equal(_unpacked(panels, n, k), weight)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 8).to(dtype)
+            for bias in (None, torch.randn(n, generator=generator).to(dtype)):
+                ours = w8a8_linear_packed_cpu(x, panels, scale, row_sum, bias)
+                assert torch.equal(ours, w8a8_linear_torch(x, weight, scale, bias)), (m, k, n, dtype)
+
+
+def test_panels_of_another_shape_are_refused() -> None:
+    weight = torch.ones(70, 100, dtype=torch.int8)
+    panels, scale, row_sum = w8a8_pack_panels_cpu(weight), torch.ones(70), weight.sum(dim=1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="panels must be w8a8_pack_panels' packing of an int8 \\[70, 200\\] weight"):
+        w8a8_linear_packed_cpu(torch.ones(1, 200), panels, scale, row_sum, None)

@@ -129,6 +129,26 @@ def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                                                 None if bias is None else bias.float().contiguous(), product)
 
 
+def w8a8_pack_panels_cpu(weight: torch.Tensor) -> torch.Tensor:
+    """A row-major int8 ``[N, K]`` weight packed once (at load) into the panels the CPU kernel
+    multiplies by: int8 ``[ceil(N / 64), ceil(K / 64) * 16, 4, 64]``, the weight's own bytes
+    reordered and padded to whole panels. The layer then keeps these instead of the weight (see
+    :func:`w8a8_linear_packed_cpu`)."""
+    if not cpu_kernel_runs():
+        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
+    return torch.ops.tokenmill_int8.w8a8_pack_panels(weight.contiguous())
+
+
+def w8a8_linear_packed_cpu(x: torch.Tensor, panels: torch.Tensor, weight_scale: torch.Tensor,
+                           weight_row_sum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`w8a8_linear_cpu` over the panels :func:`w8a8_pack_panels_cpu` made (the same bits):
+    every row count multiplies the panels as they lie, one stream through the weight's bytes
+    read ahead of use, where the row-major weight's tiles read four rows at once and its
+    panels pack the weight again in every call."""
+    return torch.ops.tokenmill_int8.w8a8_linear_packed(x.contiguous(), panels, weight_scale, weight_row_sum,
+                                                       None if bias is None else bias.float().contiguous())
+
+
 @functools.cache
 def cpu_kernel_runs() -> bool:
     """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI). Loading it registers

@@ -13,8 +13,10 @@ layer loads one per shard and, its shards sharing one input, multiplies with one
 keeps the int8 weight's row sums (``weight_row_sum``) for the zero-point correction.
 
 The default scheme (dynamic per-token, symmetric) runs on a CPU with AVX-512 VNNI as
-one call of the plugin's C++ kernel (:func:`~tokenmill_quant_int8.kernels.w8a8_linear_cpu`,
-which needs the row sums too), elsewhere as torch ops; the two give the same bits.
+one call of the plugin's C++ kernel (:func:`~tokenmill_quant_int8.kernels.w8a8_linear_packed_cpu`,
+which needs the row sums too), elsewhere as torch ops; the two give the same bits. There the
+layer's ``weight`` is, once loaded, the kernel's panels (the same bytes in the order the kernel
+reads them, packed once) rather than the row-major int8 matrix.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from tokenmill_quant_int8.kernels import (
     int8_matmul,
     quantize_weight_per_channel,
     scale_output,
-    w8a8_linear_cpu,
+    w8a8_linear_packed_cpu,
+    w8a8_pack_panels_cpu,
 )
 
 STATIC_INPUTS = ("input_scale", "input_zero_point")
@@ -88,13 +91,21 @@ class Int8W8A8LinearMethod:
             linear.register_buffer("kernel_bias", None if bias is None else bias.float().contiguous(), persistent=False)
         if not self.activations.symmetric or self.fused_cpu:
             linear.register_buffer("weight_row_sum", weight.sum(dim=1, dtype=torch.int32), persistent=False)
+        if self.fused_cpu:
+            # the kernel's panels replace the row-major weight (one copy of the weight's bytes kept)
+            weight.data = w8a8_pack_panels_cpu(weight.data)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
-        if self.fused_cpu and x.device.type == "cpu" and x.dtype in FUSED_DTYPES:
-            out = w8a8_linear_cpu(x.reshape(-1, x.shape[-1]), weight, cast(torch.Tensor, layer.weight_scale),
-                                  cast(torch.Tensor, layer.weight_row_sum), cast(torch.Tensor | None, layer.kernel_bias))
-            return out.reshape(*x.shape[:-1], weight.shape[0])
+        if self.fused_cpu:  # weight: the kernel's panels
+            weight_scale = cast(torch.Tensor, layer.weight_scale)
+            if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
+                raise TypeError(f"{cast(Linear, layer).prefix}: the int8 CPU kernel holds this layer's weight and "
+                                f"reads {', '.join(map(str, FUSED_DTYPES))} CPU activations, not {x.dtype} on {x.device}")
+            out = w8a8_linear_packed_cpu(x.reshape(-1, x.shape[-1]), weight, weight_scale,
+                                         cast(torch.Tensor, layer.weight_row_sum),
+                                         cast(torch.Tensor | None, layer.kernel_bias))
+            return out.reshape(*x.shape[:-1], weight_scale.shape[0])
         static = self.activations.static
         xq = quantize_input(x.reshape(-1, x.shape[-1]), self.activations,
                             cast(torch.Tensor, layer.input_scale) if static else None,
