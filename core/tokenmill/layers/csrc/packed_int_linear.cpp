@@ -314,6 +314,7 @@ float* decode_scratch(DecodeSlot slot, int64_t floats) {
 // (at 8 their 24 sums no longer fit the registers: ~30% slower than the float path).
 constexpr int64_t integer_rows_max(bool half_x) { return half_x ? 8 : 4; }
 constexpr float kPlaneRatio = 254.0f;    // each plane's step: the previous one's / 254
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads the integer path asks for the weight
 
 // Whether the int32 sums of a group cannot overflow: (2^bits - 1) * 127 * its inputs < 2^31.
 bool integer_sums_fit(int64_t bits, const int32_t* group_start, int64_t groups) {
@@ -421,9 +422,13 @@ void tile_rows_int(const Operands& op, const IntegerX& ix, int64_t tile, int64_t
         for (int r = 0; r < Rows; ++r) acc[c][p][r] = _mm512_setzero_si512();
     int64_t k = k0;
     for (; k + in_flight * rows_per_block <= k1; k += in_flight * rows_per_block)
-      for (int c = 0; c < in_flight; ++c)
-        multiply_block_int<Bits, Rows, Planes>(
-            acc[c], _mm512_loadu_si512(blocks + (k / rows_per_block + c) * kTileCols), x, plane_words, k + c * rows_per_block);
+      for (int c = 0; c < in_flight; ++c) {
+        const int32_t* block = blocks + (k / rows_per_block + c) * kTileCols;
+        // the tiles lie one after another and decode reads each once: the bytes kPrefetchBytes on
+        // asked for now (the next tile's, past this one's page, where the hardware prefetcher stops)
+        _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
+        multiply_block_int<Bits, Rows, Planes>(acc[c], _mm512_loadu_si512(block), x, plane_words, k + c * rows_per_block);
+      }
     for (; k < k1; k += rows_per_block)
       multiply_block_int<Bits, Rows, Planes>(acc[0], _mm512_loadu_si512(blocks + (k / rows_per_block) * kTileCols), x,
                                              plane_words, k);
