@@ -129,12 +129,18 @@ def test_panels_packed_at_load_give_the_torch_paths_bits() -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = (torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 8).to(dtype)
             for bias in (None, torch.randn(n, generator=generator).to(dtype)):
-                ours = w8a8_linear_packed_cpu(x, panels, scale, row_sum, bias)
+                ours = w8a8_linear_packed_cpu(x, panels, k, scale, row_sum, bias)
                 assert torch.equal(ours, w8a8_linear_torch(x, weight, scale, bias)), (m, k, n, dtype)
 
 
 def test_panels_of_another_shape_are_refused() -> None:
+    """Panels hold K rounded up to 64, so the weight's own K comes with them and x must match it
+    exactly (K = 120 against a weight of 100 would otherwise read the zero padding: a wrong answer)."""
     weight = torch.ones(70, 100, dtype=torch.int8)
     panels, scale, row_sum = w8a8_pack_panels_cpu(weight), torch.ones(70), weight.sum(dim=1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="x has 120 features, the weight 100"):
+        w8a8_linear_packed_cpu(torch.ones(1, 120), panels, 100, scale, row_sum, None)
     with pytest.raises(RuntimeError, match="panels must be w8a8_pack_panels' packing of an int8 \\[70, 200\\] weight"):
-        w8a8_linear_packed_cpu(torch.ones(1, 200), panels, scale, row_sum, None)
+        w8a8_linear_packed_cpu(torch.ones(1, 200), panels, 200, scale, row_sum, None)
+    with pytest.raises(RuntimeError, match="weight_row_sum must be a contiguous int32 \\[N\\]"):
+        w8a8_linear_packed_cpu(torch.ones(1, 100), panels, 100, scale, row_sum[:69], None)

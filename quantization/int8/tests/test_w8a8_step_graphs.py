@@ -14,7 +14,7 @@ from w8a8_models import build_w8a8_pair
 from worker_probe import runner
 
 from tokenmill import LLM, SamplingParams
-from tokenmill_quant_int8.kernels import cpu_kernel_runs, w8a8_linear_cpu
+from tokenmill_quant_int8.kernels import cpu_kernel_runs, w8a8_linear_cpu, w8a8_linear_packed_cpu, w8a8_pack_panels_cpu
 
 step_graph = pytest.importorskip("tokenmill_platform_cpu.step_graph")
 cpu_kernels = pytest.importorskip("tokenmill_platform_cpu.kernels")
@@ -40,6 +40,27 @@ def test_a_captured_w8a8_call_replays_on_new_inputs(rows: int) -> None:
         x.copy_(torch.randn(rows, 72, generator=generator).bfloat16() * 3)
         graph.replay()
         assert torch.equal(out, layer()[0])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_a_captured_call_over_packed_panels_replays_on_new_inputs(rows: int) -> None:
+    """What a loaded layer runs (its weight packed into panels) is recorded as the packed op's out overload."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=generator).bfloat16()
+    weight = torch.randint(-128, 128, (40, 72), generator=generator, dtype=torch.int8)
+    scale, bias = torch.rand(40, generator=generator) / 100, torch.randn(40, generator=generator)
+    row_sum, panels = weight.sum(dim=1, dtype=torch.int32), w8a8_pack_panels_cpu(weight)
+
+    def layer() -> tuple[torch.Tensor]:
+        return (w8a8_linear_packed_cpu(x, panels, 72, scale, row_sum, bias),)
+
+    kernels = cpu_kernels.load_kernels()
+    graph, (out,) = step_graph.capture_step_graph(kernels, layer, kernels.GraphPool(64), rows)
+    assert [name for name, _ in graph.profile()] == ["tokenmill_int8::w8a8_linear_packed.out"]
+    for _ in range(2):
+        x.copy_(torch.randn(rows, 72, generator=generator).bfloat16() * 3)
+        graph.replay()
+        assert torch.equal(out, w8a8_linear_cpu(x, weight, scale, row_sum, bias))
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ integer far below 2**53), so the two agree to the last bit before scaling.
 On a CPU with AVX-512 VNNI, :func:`w8a8_linear_cpu` runs the whole dynamic
 symmetric layer (quantize the rows, the int8 product, the scaling) in one C++ call
 (``csrc/w8a8_linear.cpp``), the same operations in the same order, so its output is
-:func:`w8a8_linear_torch`'s bit for bit; it reads the int8 weight as the layer holds
-it, with ``128 * rowsum(W)`` taken out for its unsigned-by-signed products.
+:func:`w8a8_linear_torch`'s bit for bit, with ``128 * rowsum(W)`` taken out for its
+unsigned-by-signed products. It reads the row-major int8 weight (:func:`w8a8_linear_cpu`) or the
+panels a loaded layer keeps instead, packed once (:func:`w8a8_pack_panels_cpu`,
+:func:`w8a8_linear_packed_cpu`).
 """
 
 from __future__ import annotations
@@ -139,20 +141,22 @@ def w8a8_pack_panels_cpu(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill_int8.w8a8_pack_panels(weight.contiguous())
 
 
-def w8a8_linear_packed_cpu(x: torch.Tensor, panels: torch.Tensor, weight_scale: torch.Tensor,
+def w8a8_linear_packed_cpu(x: torch.Tensor, panels: torch.Tensor, in_features: int, weight_scale: torch.Tensor,
                            weight_row_sum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`w8a8_linear_cpu` over the panels :func:`w8a8_pack_panels_cpu` made (the same bits):
     every row count multiplies the panels as they lie, one stream through the weight's bytes
     read ahead of use, where the row-major weight's tiles read four rows at once and its
-    panels pack the weight again in every call."""
-    return torch.ops.tokenmill_int8.w8a8_linear_packed(x.contiguous(), panels, weight_scale, weight_row_sum,
-                                                       None if bias is None else bias.float().contiguous())
+    panels pack the weight again in every call. ``in_features``: the weight's K (the panels hold
+    it rounded up to 64); the outputs are ``weight_scale``'s."""
+    return torch.ops.tokenmill_int8.w8a8_linear_packed(x.contiguous(), panels, in_features, weight_scale,
+                                                       weight_row_sum, None if bias is None else bias.float().contiguous())
 
 
 @functools.cache
 def cpu_kernel_runs() -> bool:
     """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI). Loading it registers
-    its op, ``torch.ops.tokenmill_int8.w8a8_linear``, and its out overload ``w8a8_linear.out`` (in
+    its ops, ``torch.ops.tokenmill_int8.w8a8_linear``, ``w8a8_linear_packed`` and ``w8a8_pack_panels``,
+    and the two products' out overloads ``w8a8_linear.out`` and ``w8a8_linear_packed.out`` (in
     C++: calls through torch's dispatcher, which torch function modes see; the CPU platform's
     step-graph capture records the call as one of the out overload, replayed from C++)."""
     from tokenmill_quant_int8.cpu_kernel import load_w8a8_kernel

@@ -102,8 +102,8 @@ class Int8W8A8LinearMethod:
             if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
                 raise TypeError(f"{cast(Linear, layer).prefix}: the int8 CPU kernel holds this layer's weight and "
                                 f"reads {', '.join(map(str, FUSED_DTYPES))} CPU activations, not {x.dtype} on {x.device}")
-            out = w8a8_linear_packed_cpu(x.reshape(-1, x.shape[-1]), weight, weight_scale,
-                                         cast(torch.Tensor, layer.weight_row_sum),
+            out = w8a8_linear_packed_cpu(x.reshape(-1, x.shape[-1]), weight, cast(Linear, layer).in_features,
+                                         weight_scale, cast(torch.Tensor, layer.weight_row_sum),
                                          cast(torch.Tensor | None, layer.kernel_bias))
             return out.reshape(*x.shape[:-1], weight_scale.shape[0])
         static = self.activations.static

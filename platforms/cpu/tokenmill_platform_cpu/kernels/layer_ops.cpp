@@ -36,6 +36,7 @@ inline T narrow(float v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>, "narrow: float32 or bfloat16");
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof(bits));
     const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;

@@ -214,9 +214,9 @@ void scale_rows(const Operands& op, const int32_t* acc, Out* y) {
 // 16 weight rows are one vector (vpdpbusd's signed operand), while each input row's 4 quantised
 // values are broadcast (the unsigned one, stored shifted by +128). 6 input rows by 64 weight rows
 // then accumulate in 24 registers with no reduction across lanes at the end, so the scaling (the
-// same operations as scale_rows, in the same order) runs in registers on the finished sums. Each
-// thread packs the panels it multiplies (16 x 16 transposes of 4-byte words) into its own buffer,
-// so the layer keeps one copy of its weight, as loaded.
+// same operations as scale_rows, in the same order) runs in registers on the finished sums. Here
+// each thread packs the panels it multiplies (16 x 16 transposes of 4-byte words) into its own
+// buffer in every call; a loaded layer packs them once instead (w8a8_pack_panels) and keeps only them.
 constexpr int kPanelVectors = 4;                     // 16 weight rows each: 64 a panel
 constexpr int64_t kPanelCols = 16 * kPanelVectors;
 constexpr int kPanelRows = 6;                        // input rows of one register tile
@@ -483,10 +483,13 @@ const float* check_scales(const torch::Tensor& weight_scale, const torch::Tensor
 }
 
 // The layer of x into y over packed panels (checked by the callers: y [M, N] of x's dtype, contiguous).
-void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& weight_scale,
-                             const torch::Tensor& weight_row_sum, const c10::optional<torch::Tensor>& bias,
-                             torch::Tensor& y) {
+// in_features: the packed weight's K (its panels hold it rounded up to 64, so x is checked against it);
+// N is weight_scale's length, which the row sums and the bias must share.
+void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels, int64_t in_features,
+                             const torch::Tensor& weight_scale, const torch::Tensor& weight_row_sum,
+                             const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   check_activations(x);
+  TORCH_CHECK(x.size(1) == in_features, "w8a8_linear_packed: x has ", x.size(1), " features, the weight ", in_features);
   const int64_t N = weight_scale.dim() == 1 ? weight_scale.size(0) : -1;
   const float* bias_ptr = check_scales(weight_scale, weight_row_sum, bias, N);
 #if defined(TOKENMILL_INT8_VNNI)
@@ -494,7 +497,7 @@ void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels
                   panels.size(0) == (N + kPanelCols - 1) / kPanelCols &&
                   panels.size(1) * 4 == (x.size(1) + kPanelK - 1) / kPanelK * kPanelK &&
                   panels.size(2) == kPanelVectors && panels.size(3) == 64,
-              "w8a8_linear_packed: panels must be w8a8_pack_panels' packing of an int8 [", N, ", ", x.size(1),
+              "w8a8_linear_packed: panels must be w8a8_pack_panels' packing of an int8 [", N, ", ", in_features,
               "] weight, not ", panels.sizes(), " ", panels.scalar_type());
   if (x.size(0) == 0 || N == 0) return;
   if (x.scalar_type() == torch::kFloat32) {
@@ -509,14 +512,16 @@ void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels
 #endif
 }
 
-torch::Tensor w8a8_linear_packed(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& weight_scale,
-                                 const torch::Tensor& weight_row_sum, const c10::optional<torch::Tensor>& bias) {
-  auto y = torch::empty({x.dim() > 0 ? x.size(0) : 0, weight_scale.dim() == 1 ? weight_scale.size(0) : 0}, x.options());
-  w8a8_linear_packed_into(x, panels, weight_scale, weight_row_sum, bias, y);
+torch::Tensor w8a8_linear_packed(const torch::Tensor& x, const torch::Tensor& panels, int64_t in_features,
+                                 const torch::Tensor& weight_scale, const torch::Tensor& weight_row_sum,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_linear_packed: x must be a contiguous CPU [M, K]");
+  auto y = torch::empty({x.size(0), weight_scale.dim() == 1 ? weight_scale.size(0) : 0}, x.options());
+  w8a8_linear_packed_into(x, panels, in_features, weight_scale, weight_row_sum, bias, y);
   return y;
 }
 
-torch::Tensor& w8a8_linear_packed_out(const torch::Tensor& x, const torch::Tensor& panels,
+torch::Tensor& w8a8_linear_packed_out(const torch::Tensor& x, const torch::Tensor& panels, int64_t in_features,
                                       const torch::Tensor& weight_scale, const torch::Tensor& weight_row_sum,
                                       const c10::optional<torch::Tensor>& bias, torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && weight_scale.dim() == 1, "w8a8_linear_packed: x [M, K], weight_scale [N]");
@@ -524,7 +529,7 @@ torch::Tensor& w8a8_linear_packed_out(const torch::Tensor& x, const torch::Tenso
                   out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.device().is_cpu(),
               "w8a8_linear_packed.out: out must be a contiguous CPU [", x.size(0), ", ", weight_scale.size(0),
               "] of x's dtype, not ", out.sizes(), " ", out.scalar_type());
-  w8a8_linear_packed_into(x, panels, weight_scale, weight_row_sum, bias, out);
+  w8a8_linear_packed_into(x, panels, in_features, weight_scale, weight_row_sum, bias, out);
   return out;
 }
 
@@ -602,10 +607,10 @@ TORCH_LIBRARY(tokenmill_int8, m) {
   m.def("w8a8_linear.out(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_row_sum, Tensor? bias, "
         "str product='auto', *, Tensor(a!) out) -> Tensor(a!)");
   m.def("w8a8_pack_panels(Tensor weight) -> Tensor");
-  m.def("w8a8_linear_packed(Tensor x, Tensor panels, Tensor weight_scale, Tensor weight_row_sum, Tensor? bias) "
-        "-> Tensor");
-  m.def("w8a8_linear_packed.out(Tensor x, Tensor panels, Tensor weight_scale, Tensor weight_row_sum, Tensor? bias, "
-        "*, Tensor(a!) out) -> Tensor(a!)");
+  m.def("w8a8_linear_packed(Tensor x, Tensor panels, int in_features, Tensor weight_scale, Tensor weight_row_sum, "
+        "Tensor? bias) -> Tensor");
+  m.def("w8a8_linear_packed.out(Tensor x, Tensor panels, int in_features, Tensor weight_scale, "
+        "Tensor weight_row_sum, Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_int8, CPU, m) {
