@@ -5,7 +5,9 @@ int8 decode steps replay like float ones, with the same tokens as run eagerly.""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,19 +24,30 @@ pytestmark = pytest.mark.skipif(not (cpu_kernel_runs() and cpu_kernels.kernels_a
                                 reason="needs the int8 kernel (AVX-512 VNNI) and the CPU platform's kernels")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])  # the kernel's tiles (below 8 rows) and its panels
-def test_a_captured_w8a8_call_replays_on_new_inputs(rows: int) -> None:
+def _operands(rows: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` of bfloat16 x and a 40 x 72 int8 layer (its scales, bias and row sums), seeded by ``rows``."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=generator).bfloat16()
     weight = torch.randint(-128, 128, (40, 72), generator=generator, dtype=torch.int8)
     scale, bias = torch.rand(40, generator=generator) / 100, torch.randn(40, generator=generator)
-    row_sum = weight.sum(dim=1, dtype=torch.int32)
+    return generator, x, weight, scale, bias, weight.sum(dim=1, dtype=torch.int32)
+
+
+def _captured(layer: Callable[[], tuple[torch.Tensor]], rows: int) -> tuple[Any, torch.Tensor]:
+    """``layer`` captured as a step graph of ``rows`` rows, and the output tensor its replays rewrite."""
+    kernels = cpu_kernels.load_kernels()
+    graph, (out,) = step_graph.capture_step_graph(kernels, layer, kernels.GraphPool(64), rows)
+    return graph, out
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])  # the kernel's tiles (below 8 rows) and its panels
+def test_a_captured_w8a8_call_replays_on_new_inputs(rows: int) -> None:
+    generator, x, weight, scale, bias, row_sum = _operands(rows)
 
     def layer() -> tuple[torch.Tensor]:
         return (w8a8_linear_cpu(x, weight, scale, row_sum, bias),)
 
-    kernels = cpu_kernels.load_kernels()
-    graph, (out,) = step_graph.capture_step_graph(kernels, layer, kernels.GraphPool(64), rows)
+    graph, out = _captured(layer, rows)
     assert [name for name, _ in graph.profile()] == ["tokenmill_int8::w8a8_linear.out"]
     for _ in range(2):
         x.copy_(torch.randn(rows, 72, generator=generator).bfloat16() * 3)
@@ -45,17 +58,13 @@ def test_a_captured_w8a8_call_replays_on_new_inputs(rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_a_captured_call_over_packed_panels_replays_on_new_inputs(rows: int) -> None:
     """What a loaded layer runs (its weight packed into panels) is recorded as the packed op's out overload."""
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 72, generator=generator).bfloat16()
-    weight = torch.randint(-128, 128, (40, 72), generator=generator, dtype=torch.int8)
-    scale, bias = torch.rand(40, generator=generator) / 100, torch.randn(40, generator=generator)
-    row_sum, panels = weight.sum(dim=1, dtype=torch.int32), w8a8_pack_panels_cpu(weight)
+    generator, x, weight, scale, bias, row_sum = _operands(rows)
+    panels = w8a8_pack_panels_cpu(weight)
 
     def layer() -> tuple[torch.Tensor]:
         return (w8a8_linear_packed_cpu(x, panels, 72, scale, row_sum, bias),)
 
-    kernels = cpu_kernels.load_kernels()
-    graph, (out,) = step_graph.capture_step_graph(kernels, layer, kernels.GraphPool(64), rows)
+    graph, out = _captured(layer, rows)
     assert [name for name, _ in graph.profile()] == ["tokenmill_int8::w8a8_linear_packed.out"]
     for _ in range(2):
         x.copy_(torch.randn(rows, 72, generator=generator).bfloat16() * 3)

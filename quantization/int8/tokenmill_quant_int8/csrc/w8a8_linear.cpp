@@ -348,11 +348,12 @@ void rows_by_panel(const Operands& op, const uint8_t* xu, int64_t Kp, const int3
 }
 
 int64_t panel_words(int64_t Kp) { return Kp / 4 * kPanelVectors * 16; }
+int64_t panel_count(int64_t N) { return (N + kPanelCols - 1) / kPanelCols; }
+int64_t padded_k(int64_t K) { return (K + kPanelK - 1) / kPanelK * kPanelK; }
 
 template <typename Out>
 void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y) {
-  const int64_t panels = (op.N + kPanelCols - 1) / kPanelCols;
-  tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, panel_count(op.N), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int32_t> panel;
     panel.resize(static_cast<size_t>(panel_words(Kp)));
     for (int64_t p = begin; p < end; ++p) {
@@ -366,8 +367,7 @@ void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y
 // weight's bytes in the order the tiles read them, and no packing per call.
 template <typename Out>
 void product_by_packed_panels(const Operands& op, const uint8_t* xu, int64_t Kp, const int32_t* packed, Out* y) {
-  const int64_t panels = (op.N + kPanelCols - 1) / kPanelCols;
-  tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_for(0, panel_count(op.N), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) rows_by_panel(op, xu, Kp, packed + p * panel_words(Kp), p * kPanelCols, y);
   });
 }
@@ -390,6 +390,21 @@ void quantize_shifted(const In* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xu
   });
 }
 
+// x quantised for the panels (quantize_shifted) into tensors of this call: [M, Kp] bytes and [M] scales.
+struct ShiftedX {
+  torch::Tensor rows, scales;
+};
+
+template <typename In>
+ShiftedX shifted_x(const torch::Tensor& x, int64_t Kp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  ShiftedX shifted{torch::empty({M, Kp}, x.options().dtype(torch::kUInt8)),
+                   torch::empty({M}, x.options().dtype(torch::kFloat32))};
+  quantize_shifted(reinterpret_cast<const In*>(x.data_ptr()), M, K, Kp, shifted.rows.data_ptr<uint8_t>(),
+                   shifted.scales.data_ptr<float>());
+  return shifted;
+}
+
 template <typename In>
 void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& weight_scale,
             const torch::Tensor& row_sum, const float* bias, Product product, torch::Tensor& y) {
@@ -397,13 +412,11 @@ void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Te
   const In* xp = reinterpret_cast<const In*>(x.data_ptr());
   In* yp = reinterpret_cast<In*>(y.data_ptr());  // y has x's dtype
   if (product == Product::kPanels) {
-    const int64_t Kp = (K + kPanelK - 1) / kPanelK * kPanelK;
-    auto xu = torch::empty({M, Kp}, x.options().dtype(torch::kUInt8));
-    auto x_scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
-    quantize_shifted(xp, M, K, Kp, xu.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
-    const Operands op{nullptr, x_scale.data_ptr<float>(), weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
+    const int64_t Kp = padded_k(K);
+    const ShiftedX shifted = shifted_x<In>(x, Kp);
+    const Operands op{nullptr, shifted.scales.data_ptr<float>(), weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
                       row_sum.data_ptr<int32_t>(), bias, M, K, N};
-    product_by_panels(op, xu.data_ptr<uint8_t>(), Kp, yp);
+    product_by_panels(op, shifted.rows.data_ptr<uint8_t>(), Kp, yp);
     return;
   }
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
@@ -428,13 +441,11 @@ template <typename In>
 void linear_packed(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& weight_scale,
                    const torch::Tensor& row_sum, const float* bias, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = weight_scale.size(0), Kp = panels.size(1) * 4;
-  auto xu = torch::empty({M, Kp}, x.options().dtype(torch::kUInt8));
-  auto x_scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
-  quantize_shifted(reinterpret_cast<const In*>(x.data_ptr()), M, K, Kp, xu.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
-  const Operands op{nullptr, x_scale.data_ptr<float>(), nullptr, weight_scale.data_ptr<float>(),
+  const ShiftedX shifted = shifted_x<In>(x, Kp);
+  const Operands op{nullptr, shifted.scales.data_ptr<float>(), nullptr, weight_scale.data_ptr<float>(),
                     row_sum.data_ptr<int32_t>(), bias, M, K, N};
-  product_by_packed_panels(op, xu.data_ptr<uint8_t>(), Kp, reinterpret_cast<const int32_t*>(panels.data_ptr<int8_t>()),
-                           reinterpret_cast<In*>(y.data_ptr()));
+  product_by_packed_panels(op, shifted.rows.data_ptr<uint8_t>(), Kp,
+                           reinterpret_cast<const int32_t*>(panels.data_ptr<int8_t>()), reinterpret_cast<In*>(y.data_ptr()));
 }
 
 #endif  // TOKENMILL_INT8_VNNI
@@ -448,7 +459,7 @@ torch::Tensor w8a8_pack_panels(const torch::Tensor& weight) {
                   weight.device().is_cpu(), "w8a8_pack_panels: weight must be a contiguous CPU int8 [N, K]");
 #if defined(TOKENMILL_INT8_VNNI)
   const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t panels = (N + kPanelCols - 1) / kPanelCols, Kp = (K + kPanelK - 1) / kPanelK * kPanelK;
+  const int64_t panels = panel_count(N), Kp = padded_k(K);
   auto packed = torch::empty({panels, Kp / 4, kPanelVectors, 64}, weight.options());
   const Operands op{nullptr, nullptr, weight.data_ptr<int8_t>(), nullptr, nullptr, nullptr, 0, K, N};
   int32_t* out = reinterpret_cast<int32_t*>(packed.data_ptr<int8_t>());
@@ -494,8 +505,7 @@ void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels
   const float* bias_ptr = check_scales(weight_scale, weight_row_sum, bias, N);
 #if defined(TOKENMILL_INT8_VNNI)
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == torch::kInt8 && panels.is_contiguous() &&
-                  panels.size(0) == (N + kPanelCols - 1) / kPanelCols &&
-                  panels.size(1) * 4 == (x.size(1) + kPanelK - 1) / kPanelK * kPanelK &&
+                  panels.size(0) == panel_count(N) && panels.size(1) * 4 == padded_k(in_features) &&
                   panels.size(2) == kPanelVectors && panels.size(3) == 64,
               "w8a8_linear_packed: panels must be w8a8_pack_panels' packing of an int8 [", N, ", ", in_features,
               "] weight, not ", panels.sizes(), " ", panels.scalar_type());
