@@ -110,3 +110,35 @@ def test_a_decode_steps_data_is_the_general_paths(seq_lens, monkeypatch):
 
         monkeypatch.setattr(attention, "_step_data", None)
         assert torch.equal(CpuPagedAttentionBackend().prepare(metadata).token_position, decode.token_position)
+
+
+@needs_kernel
+# (query heads, KV heads, head size): the AVX-512 value sums take up to 6 heads of 64 (3 of 128)
+# a pass over the rows, so these split a task's heads into passes that begin and end inside a KV
+# head's group, cross from one KV head to the next, and leave a short last pass
+@pytest.mark.parametrize(("heads", "kv_heads", "head"), [(12, 4, 64), (8, 2, 64), (16, 1, 64), (14, 7, 64),
+                                                         (10, 5, 128), (8, 2, 128), (4, 4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_batch_with_query_heads_over_several_value_passes(heads, kv_heads, head, dtype):
+    from tokenmill_platform_cpu.kernels import load_kernels
+
+    torch.manual_seed(0)
+    block, seq_lens = 16, [37, 5, 64, 1, 23]
+    num_blocks = sum(-(-n // block) for n in seq_lens) + 3
+    key_cache = torch.randn(num_blocks, block, kv_heads, head).to(dtype)
+    value_cache = torch.randn(num_blocks, block, kv_heads, head).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in seq_lens]
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(seq_lens), heads, head).to(dtype)
+    out = load_kernels().paged_attention(query, key_cache, value_cache, table, torch.arange(len(seq_lens)),
+                                         torch.tensor(seq_lens) - 1, head**-0.5, 0)
+    for i, n in enumerate(seq_lens):
+        rows = torch.tensor([tables[i][p // block] * block + p % block for p in range(n)])
+        keys = key_cache.flatten(0, 1)[rows].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        values = value_cache.flatten(0, 1)[rows].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        q = query[i].float()[:, None, :]
+        expected = ((q @ keys.transpose(1, 2) * head**-0.5).softmax(-1) @ values)[:, 0]
+        tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out[i].float(), expected, **tolerance)
