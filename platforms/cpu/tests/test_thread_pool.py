@@ -166,3 +166,36 @@ def test_the_gauge_is_overruled_where_no_other_process_wants_the_cores(kernels):
         pytest.skip("another process became runnable while the gauge rose")
     assert stats["overruled"] == overruled_before + 1 and not stats["contended"]
     assert torch.get_num_threads() == 2
+
+
+_PARKING = """
+import time, torch
+from tokenmill_platform_cpu.kernels import load_kernels
+kernels = load_kernels()
+kernels.set_pool_threads(2)
+kernels.rms_norm(torch.randn(300, 768), torch.randn(768), 1e-6)  # starts the worker; it spins after
+def sleeping_within(seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if kernels.thread_pool_stats()["sleeping"] == kernels.thread_pool_stats()["workers"]:
+            return True
+        time.sleep(0.01)
+    return False
+print("spinning", not sleeping_within(0.5))
+kernels.park_workers()
+print("parked", sleeping_within(5.0))
+kernels.rms_norm(torch.randn(300, 768), torch.randn(768), 1e-6)  # a region wakes it again
+print("awake", not sleeping_within(0.5))
+"""
+
+
+def test_parked_workers_sleep_until_the_next_region():
+    """With a spin far longer than the test, a worker is still spinning after its region; parked
+    (as a step graph does before each op of torch's own), it sleeps, and the next region wakes it."""
+    if _usable_cores() < 2:
+        pytest.skip("one usable core: no worker to park")
+    env = {**os.environ, "TOKENMILL_CPU_SPIN_US": str(60_000_000), "TOKENMILL_CPU_CONTENTION_FALLBACK": "0"}
+    done = subprocess.run([sys.executable, "-c", _PARKING], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["spinning", "True", "parked", "True", "awake", "True"]

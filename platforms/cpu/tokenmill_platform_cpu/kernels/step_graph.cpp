@@ -26,6 +26,8 @@
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -154,7 +156,7 @@ class StepGraph {
   at::Tensor embedding(at::Tensor weight, at::Tensor ids) {
     TORCH_CHECK(weight.dim() == 2 && ids.dim() == 1, "embedding: weight [V, H] and ids [T]");
     auto out = buffer({ids.size(0), weight.size(1)}, weight.options());
-    return record("embedding", [=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
+    return record_torch("embedding", [=]() mutable { at::index_select_out(out, weight, 0, ids); }, out);
   }
 
   // torch's linear (which the capture lowers to this): matmuls the kernels above do not
@@ -164,7 +166,7 @@ class StepGraph {
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     auto out = buffer(sizes, x.options());
-    return record("linear", [=]() mutable { at::linear_out(out, x, weight, bias); }, out);
+    return record_torch("linear", [=]() mutable { at::linear_out(out, x, weight, bias); }, out);
   }
 
   // torch.cat (which the capture lowers to this): the outputs of a merged layer whose parts
@@ -176,13 +178,13 @@ class StepGraph {
     sizes[axis] = 0;
     for (const auto& t : tensors) sizes[axis] += t.size(axis);
     auto out = buffer(sizes, tensors[0].options());
-    return record("cat", [=]() mutable { at::cat_out(out, tensors, axis); }, out);
+    return record_torch("cat", [=]() mutable { at::cat_out(out, tensors, axis); }, out);
   }
 
   // A contiguous copy (torch's contiguous and clone, which the capture lowers to this).
   at::Tensor contiguous(at::Tensor x) {
     auto out = buffer(x.sizes(), x.options());
-    return record("contiguous", [=]() mutable { out.copy_(x); }, out);
+    return record_torch("contiguous", [=]() mutable { out.copy_(x); }, out);
   }
 
   // A pooled buffer of `like`'s shape and dtype (contiguous), for an out overload to write into.
@@ -232,6 +234,16 @@ class StepGraph {
   at::Tensor record(const char* name, Op op, at::Tensor out) {
     record(name, std::move(op));
     return out;
+  }
+
+  // An op of torch's own, which runs on OpenMP's team rather than the kernels' pool: the pool's
+  // spinning workers are parked first, so that the team gets the cores (tokenmill::park_workers).
+  template <typename Op>
+  at::Tensor record_torch(const char* name, Op op, at::Tensor out) {
+    return record(name, [op]() mutable {
+      tokenmill::park_workers();
+      op();
+    }, out);
   }
 
   at::Tensor buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {

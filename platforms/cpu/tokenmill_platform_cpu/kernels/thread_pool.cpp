@@ -61,6 +61,7 @@ std::chrono::nanoseconds spin_time() {
 std::atomic<int> pool_mode{-1};  // -1 unread, 0 openmp, 1 claim
 std::atomic<int64_t> plugin_loops{0};  // loops of plugin kernels run through the published backend
 std::atomic<int> configured_threads{0};  // 0: torch's count, read on first use
+std::atomic<uint32_t> park_requests{0};  // park_workers calls: a spinning worker that sees one sleeps
 
 bool fallback_enabled() {
   const char* configured = std::getenv("TOKENMILL_CPU_CONTENTION_FALLBACK");
@@ -190,6 +191,7 @@ class ClaimPool {
     out["worker_cores"] = as_list(worker_cores_);
     out["worker_tids"] = as_list(worker_tids_);
     out["plugin_loops"] = plugin_loops.load(std::memory_order_relaxed);
+    out["sleeping"] = sleepers_.load(std::memory_order_relaxed);
     return out;
   }
 
@@ -302,11 +304,14 @@ class ClaimPool {
   // The generation of a job newer than `seen`: spun for briefly, then slept for.
   uint32_t wait_for_job(uint32_t seen) {
     const auto until = std::chrono::steady_clock::now() + spin_;
+    const uint32_t parked = park_requests.load(std::memory_order_relaxed);
     for (int spins = 0;; ++spins) {
       const uint32_t generation = generation_of(word_.load(std::memory_order_acquire));
       if (generation != seen) return generation;
       TOKENMILL_PAUSE();
-      if ((spins & 63) == 63 && std::chrono::steady_clock::now() >= until) break;
+      if ((spins & 63) == 63 && (std::chrono::steady_clock::now() >= until ||
+                                 park_requests.load(std::memory_order_relaxed) != parked))
+        break;
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     std::unique_lock<std::mutex> lock(sleep_);
@@ -367,6 +372,8 @@ bool claim_pool_enabled() {
 }
 
 bool in_pool_job() { return running_chunk; }
+
+void park_workers() { park_requests.fetch_add(1, std::memory_order_relaxed); }
 
 int pool_threads() {
   int threads = configured_threads.load(std::memory_order_relaxed);
@@ -429,6 +436,8 @@ void bind_thread_pool(pybind11::module& m) {
       "set_pool_threads", [](int64_t threads) { tokenmill::configured_threads.store(static_cast<int>(threads)); },
       "The threads the kernels' regions run on, the calling one included (the platform's count)");
   m.def("pool_threads", &tokenmill::pool_threads, "The threads the kernels' regions run on");
+  m.def("park_workers", &tokenmill::park_workers,
+        "Spinning workers sleep now (before a region of torch's own; thread_pool.h)");
   m.def(
       "set_thread_binding", [](const std::string& setting) { tokenmill::set_thread_binding(setting); },
       "Where the pool's workers run: 'auto', 'off' or cores like '0,2' (TOKENMILL_CPU_BIND; thread_binding.h)");
@@ -438,8 +447,8 @@ void bind_thread_pool(pybind11::module& m) {
       "The claim pool: workers started, whether the contention fallback holds torch at one thread, the "
       "caller's running share of the chunks, how often the fallback engaged, the threads a region runs on, "
       "the binding: the mask it was planned from, each thread's core (the caller's first, not pinned; empty: "
-      "none pinned), each worker's core (-1: not pinned) and kernel thread id, and the loops of plugin kernels "
-      "run through parallel_backend");
+      "none pinned), each worker's core (-1: not pinned) and kernel thread id, the loops of plugin kernels "
+      "run through parallel_backend, and the workers asleep (not spinning) for the next region");
   m.def(
       "machine_load",
       [] {

@@ -11,7 +11,8 @@
 // calling thread included, and the caller waits only for chunks that were claimed and are still
 // running: a worker that is not scheduled claims nothing, and the caller (and whoever else runs)
 // does its share. Quiet, the workers spin briefly between regions (TOKENMILL_CPU_SPIN_US,
-// default 200 us) and then sleep, so back-to-back regions of a step start without a wake-up.
+// default 200 us) and then sleep, so back-to-back regions of a step start without a wake-up;
+// before an op of torch's own in a step graph they are parked at once (park_workers below).
 //
 // The pool also sees contention first-hand: when the workers keep missing their share of the
 // chunks, the other cores are not ours for now. Then one thread is faster than any split (a
@@ -49,6 +50,12 @@ int pool_threads();
 // rethrows the first exception a chunk raised.
 void run_job(const Job& job, int threads);
 bool in_pool_job();
+// Workers spinning for the next region go to sleep now: the caller is about to run something
+// of torch's (OpenMP's team), which needs these cores. A spinning worker holds its core until
+// its spin ends (TOKENMILL_CPU_SPIN_US), and an OpenMP region waits that long for its thread
+// there: a batch-64 decode step of the 100M model, ~100 such hand-overs between the kernels
+// and oneDNN's matmuls, took ~10% longer. The next region wakes them (a futex wake).
+void park_workers();
 
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
