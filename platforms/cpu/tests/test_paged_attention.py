@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.layers import Attention
+from tokenmill_platform_cpu import attention
 from tokenmill_platform_cpu.attention import CpuPagedAttentionBackend, _decode_step_data, _step_data
 from tokenmill_platform_cpu.kernels import kernels_available
 
@@ -42,7 +43,12 @@ def _reference(q_all, k_all, v_all, context, seq, window, head):
                                       [(9, 1), (0, 1), (17, 1)]])
 # bfloat16: rows widened in the kernel, arithmetic in float32, the output rounded once
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests, dtype):
+# these sequences are short enough that every query takes the kernel; with the limit at 0 the
+# long queries take the SDPA paths instead (a whole prompt, and a chunk after a cached prefix)
+@pytest.mark.parametrize("kernel_max_seq_len", [0, attention.KERNEL_MAX_SEQ_LEN])
+def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests, dtype, kernel_max_seq_len,
+                                                          monkeypatch):
+    monkeypatch.setattr(attention, "KERNEL_MAX_SEQ_LEN", kernel_max_seq_len)
     torch.manual_seed(0)
     num_blocks = 64
     key_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, head, dtype=dtype)
@@ -78,6 +84,9 @@ def test_mixed_prefill_and_decode_batch_matches_reference(window, head, requests
     backend = CpuPagedAttentionBackend()
     layer = Attention(HEADS, head, KV_HEADS, head**-0.5, sliding_window=window)
     metadata.backend_data = backend.prepare(metadata)
+    sdpa_requests = [i for i, (context, new) in enumerate(requests)
+                     if new > attention.KERNEL_MAX_QUERY_LEN and context + new > kernel_max_seq_len]
+    assert [chunk.request for chunk in metadata.backend_data.chunks] == sdpa_requests
     out = backend.forward(layer, query, new_keys, new_values, (key_cache, value_cache), metadata)
     for i, (context, new) in enumerate(requests):
         s, e = query_start[i], query_start[i + 1]
@@ -106,8 +115,6 @@ def test_a_decode_steps_data_is_the_general_paths(seq_lens, monkeypatch):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert decode.token_position.tolist() == [n - 1 for n in seq_lens]
     if kernels_available():  # and prepare takes the shortcut for such a step
-        import tokenmill_platform_cpu.attention as attention
-
         monkeypatch.setattr(attention, "_step_data", None)
         assert torch.equal(CpuPagedAttentionBackend().prepare(metadata).token_position, decode.token_position)
 
