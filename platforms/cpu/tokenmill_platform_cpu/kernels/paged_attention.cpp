@@ -170,9 +170,10 @@ inline void weighted_sum(const Task<T>& t, const float* p, int64_t offset, int64
 }
 
 #ifdef __AVX512F__
-// Query heads whose value sums one pass over the rows keeps in registers (24 of the 32).
+// Query heads whose value sums one pass over the rows keeps in registers (24 of the 32), at
+// most the 6 that weighted_sums_pass dispatches.
 template <int D>
-constexpr int kPassHeads = 24 / (D / 16);
+constexpr int kPassHeads = std::min(6, 24 / (D / 16));
 
 // Values for query heads [first, first + Heads) of the task at once: each row's slices of their
 // KV heads (adjacent in the row) stream past once, the Heads x D/16 sums in registers. One
@@ -273,7 +274,8 @@ void attend(const Task<T>& t, const float* q, float* out, std::vector<float>& sc
   for (int64_t qh = 0; qh < heads; ++qh) inv[qh] = 1.f / softmax_numerators(s + qh * n, n);
 #ifdef __AVX512F__
   if constexpr (D != kDynamic && D % 16 == 0) {
-    for (int64_t first = 0; first < heads; first += kPassHeads<D>) weighted_sums_pass<D>(t, s, n, inv.data(), first, heads, out);
+    for (int64_t first = 0; first < heads; first += kPassHeads<D>)
+      weighted_sums_pass<D>(t, s, n, inv.data(), first, heads, out);
     return;
   }
 #endif
