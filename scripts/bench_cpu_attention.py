@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.worker.host_memory import lazy_zeros
+from tokenmill_platform_cpu.attention import _heads_first as heads_first  # [T, H, D] -> [1, H, T, D], as the backend's
 from tokenmill_platform_cpu.kernels import load_kernels
 
 BLOCK = 16
@@ -58,10 +59,6 @@ def decode(kernels, args: argparse.Namespace, dtype: torch.dtype) -> None:
     read = batch * context * args.kv_heads * args.head * 2 * dtype.itemsize
     print(f"decode, batch {batch}, {context} tokens: {1e3 * best:.3f} ms a layer at best "
           f"({read / best / 1e9:.1f} GB/s), median {1e3 * median:.3f}")
-
-
-def heads_first(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(0, 1).unsqueeze(0)
 
 
 def prompt_case(kernels, args: argparse.Namespace, dtype: torch.dtype, count: int, length: int) -> None:

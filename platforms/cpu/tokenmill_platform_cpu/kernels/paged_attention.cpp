@@ -115,36 +115,16 @@ inline float dot(const float* a, const T* b, int64_t d) {
   return sum;
 }
 
-template <int D, typename T>
+template <typename T>
 inline void axpy(float p, const T* v, float* a, int64_t d) {
-#ifdef __AVX512F__
-  if constexpr (D != kDynamic && D % 16 == 0) {
-    const __m512 scale = _mm512_set1_ps(p);
-    for (int i = 0; i < D; i += 16)
-      _mm512_storeu_ps(a + i, _mm512_fmadd_ps(scale, load16(v + i), _mm512_loadu_ps(a + i)));
-    return;
-  }
-#endif
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) a[i] += p * widen(v[i]);
 }
 
 // out[0:d] = scale * sum_j p[j] * value_row_j[offset : offset + d]   (out: float32)
+// (The AVX-512 bodies take weighted_sums below instead, several query heads a pass.)
 template <int D, typename T>
 inline void weighted_sum(const Task<T>& t, const float* p, int64_t offset, int64_t d, float scale, float* out) {
-#ifdef __AVX512F__
-  if constexpr (D != kDynamic && D % 16 == 0) {
-    __m512 acc[D / 16];
-    for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_setzero_ps();
-    for_each_row(t, t.values, offset, d, [&](int64_t j, const T* row) {
-      const __m512 w = _mm512_set1_ps(p[j]);
-      for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_fmadd_ps(w, load16(row + offset + 16 * i), acc[i]);
-    });
-    const __m512 factor = _mm512_set1_ps(scale);
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], factor));
-    return;
-  }
-#endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if constexpr (D != kDynamic && D % 8 == 0) {
     // 64 columns at a time in 8 registers; a head of 128 walks its rows twice (from cache the second time)
@@ -165,7 +145,7 @@ inline void weighted_sum(const Task<T>& t, const float* p, int64_t offset, int64
   }
 #endif
   std::fill(out, out + d, 0.f);
-  for_each_row(t, t.values, offset, d, [&](int64_t j, const T* row) { axpy<D>(p[j], row + offset, out, d); });
+  for_each_row(t, t.values, offset, d, [&](int64_t j, const T* row) { axpy(p[j], row + offset, out, d); });
   for (int64_t i = 0; i < d; ++i) out[i] *= scale;
 }
 
