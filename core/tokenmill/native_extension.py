@@ -5,8 +5,8 @@ fused W8A8 linear) that are compiled where they run, with ``-march=native``, rat
 shipped as wheels for every CPU. :func:`load_native_extension` builds one with
 ``torch.utils.cpp_extension.load`` into a folder of ``$TOKENMILL_KERNEL_CACHE`` (default
 ``~/.cache/tokenmill/kernels``) whose name hashes the Python environment, torch's version, the
-sources, the flags and the CPU's feature flags: a changed source or another machine gets its
-own build, and a finished one is imported without a compiler. Concurrent first uses take turns
+sources (and the headers beside them), the flags and the CPU's feature flags: a changed source
+or header, or another machine, gets its own build, and a finished one is imported without a compiler. Concurrent first uses take turns
 under a lock file (the OS drops it if its holder dies); a build is written under a temporary
 name and renamed into place complete, so a reader never sees half of one.
 
@@ -100,10 +100,17 @@ def build_directory(cache_prefix: str, sources: Sequence[Path], cflags: Sequence
 
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
     key = hashlib.sha1()
-    texts = [s.read_text() for s in (*sources, *native_headers())]
+    texts = [s.read_text() for s in (*sources, *_headers_beside(sources), *native_headers())]
     for part in (sys.prefix, torch.__version__, *texts, " ".join(cflags), _cpu_flags()):
         key.update(part.encode() + b"\0")
     return root / f"{cache_prefix}-{key.hexdigest()[:16]}"
+
+
+def _headers_beside(sources: Sequence[Path]) -> list[Path]:
+    """The headers (``*.h``) in the sources' folders, which the sources include by a relative
+    name: part of what a build is made of, so an edited header gets a build of its own."""
+    folders = sorted({source.parent for source in sources})
+    return [header for folder in folders for header in sorted(folder.glob("*.h"))]
 
 
 def _build(module_name: str, sources: Sequence[Path], cflags: Sequence[str], folder: Path, description: str) -> None:

@@ -1,14 +1,16 @@
-"""The fused AVX-512 VNNI kernel (csrc/w8a8_linear.cpp) against the torch path it replaces.
+"""The fused CPU kernel (csrc/w8a8_linear.cpp: AVX-512 VNNI bodies, or AVX2 ones, csrc/w8a8_avx2.h)
+against the torch path it replaces.
 
 The kernel does the torch path's operations in the same order (per-token scale, true
 division, round half to even, the exact int32 product, two float32 products, the bias), so
 the test asks for the same bits, not a tolerance: with both of its products (its own VNNI
-tiles, torch._int_mm between its quantizing and scaling passes, its panels packed per call,
+tiles (VNNI only), torch._int_mm between its quantizing and scaling passes, its panels packed per call,
 and the panels a loaded layer packs once and keeps in place of its weight), on odd shapes (M = 1,
 7, 64; K not a multiple of the tiles' 64-byte step nor of 16; N not a multiple of their
 4 rows nor of the scaling pass's 16 lanes), in each activation dtype, with and without a
-bias, and with weights using all of int8 (-128 too, which a checkpoint may hold). A CPU
-without VNNI skips it (the torch path then runs).
+bias, and with weights using all of int8 (-128 too, which a checkpoint may hold: the AVX2 body's
+largest pair of products, 2 * 128 * 127, just fits its int16 sums). A CPU with neither skips it
+(the torch path then runs).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from tokenmill.layers.build_context import ModelBuildContext
 from tokenmill.layers.linear import Linear, load_weight, process_weights_after_loading
 from tokenmill_quant_int8.config import Int8W8A8Config
+from tokenmill_quant_int8.cpu_kernel import load_w8a8_kernel
 from tokenmill_quant_int8.kernels import (
     cpu_kernel_runs,
     w8a8_linear_cpu,
@@ -30,12 +33,19 @@ from tokenmill_quant_int8.kernels import (
 )
 
 
-def _has_vnni() -> bool:
+def _expected_isa() -> str:
+    """The body the kernel builds for on this CPU (with -march=native), by its /proc/cpuinfo flags."""
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_vnni" in text and "avx512bw" in text and "avx512vl" in text
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").partition(":")[2].split())
+    if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
+        return "avx512_vnni"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "none"
 
 
-pytestmark = pytest.mark.skipif(not _has_vnni(), reason="no AVX-512 VNNI on this CPU")
+EXPECTED_ISA = _expected_isa()
+pytestmark = pytest.mark.skipif(EXPECTED_ISA == "none", reason="neither AVX-512 VNNI nor AVX2 on this CPU")
+# the products the build has: the VNNI body's row-major tiles, then both bodies' two
+PRODUCTS = ["tiles", "int_mm", "panels"] if EXPECTED_ISA == "avx512_vnni" else ["int_mm", "panels"]
 SHAPES = [(m, k, n) for m in (1, 7, 64) for k, n in ((50, 33), (64, 96), (200, 17), (1000, 6))]
 
 
@@ -45,11 +55,24 @@ def test_an_unknown_product_is_refused_by_name() -> None:
         w8a8_linear_cpu(torch.ones(1, 8), weight, torch.ones(4), weight.sum(dim=1, dtype=torch.int32), None, "fast")
 
 
-def test_the_kernel_is_built_where_the_cpu_has_vnni() -> None:
+def test_the_kernel_is_built_for_the_cpus_instruction_set() -> None:
     assert cpu_kernel_runs()
+    assert load_w8a8_kernel().isa() == EXPECTED_ISA
 
 
-@pytest.mark.parametrize("product", ["tiles", "int_mm", "panels"])
+@pytest.mark.skipif(EXPECTED_ISA == "avx512_vnni", reason="the VNNI body has the tiles")
+def test_the_avx2_body_refuses_the_tiles_by_name_and_takes_the_panels_for_auto() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(2, 40, generator=generator), torch.randint(-128, 128, (5, 40), generator=generator,
+                                                                       dtype=torch.int8)
+    scale, row_sum = torch.rand(5, generator=generator), weight.sum(dim=1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"this build \(avx2\) has no 'tiles' product"):
+        w8a8_linear_cpu(x, weight, scale, row_sum, None, "tiles")
+    assert torch.equal(w8a8_linear_cpu(x, weight, scale, row_sum, None, "auto"),
+                       w8a8_linear_torch(x, weight, scale, None))
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_the_kernel_gives_the_torch_paths_bits(m: int, k: int, n: int, dtype: torch.dtype, product: str) -> None:
@@ -65,10 +88,11 @@ def test_the_kernel_gives_the_torch_paths_bits(m: int, k: int, n: int, dtype: to
         assert torch.equal(ours, expected), (ours - expected).abs().max()
 
 
-@pytest.mark.parametrize("product", ["tiles", "int_mm", "panels"])
+@pytest.mark.parametrize("product", PRODUCTS)
 def test_zero_rows_and_saturated_products_are_exact(product: str) -> None:
     """An all-zero row (the smallest scale), and rows whose quantized values all sit at +-127
-    against weights of +-127 and -128 (the tiles' largest products: K * 255 * 128 before the offset)."""
+    against weights of +-127 and -128 (the VNNI tiles' largest products: K * 255 * 128 before the
+    offset; the AVX2 body's largest pairs, 2 * 128 * 127 in int16)."""
     k, n = 4099, 9
     x = torch.zeros(3, k)
     x[1], x[2, ::2], x[2, 1::2] = 3.0, -5.0, 5.0

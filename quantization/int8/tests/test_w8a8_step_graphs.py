@@ -21,7 +21,7 @@ from tokenmill_quant_int8.kernels import cpu_kernel_runs, w8a8_linear_cpu, w8a8_
 step_graph = pytest.importorskip("tokenmill_platform_cpu.step_graph")
 cpu_kernels = pytest.importorskip("tokenmill_platform_cpu.kernels")
 pytestmark = pytest.mark.skipif(not (cpu_kernel_runs() and cpu_kernels.kernels_available()),
-                                reason="needs the int8 kernel (AVX-512 VNNI) and the CPU platform's kernels")
+                                reason="needs the int8 kernel (AVX-512 VNNI or AVX2) and the CPU platform's kernels")
 
 
 def _operands(rows: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ elementwise ops round them, so the kernel's output is the torch path's bit for b
 ``-ffast-math``: it would turn the division into a reciprocal).
 
 :func:`load_w8a8_kernel` returns None (and the torch path runs) where the build fails
-(no compiler) or the CPU has no AVX-512 VNNI (the module's ``isa()`` is ``"none"``).
+(no compiler) or the CPU has neither AVX-512 VNNI nor AVX2 (the module's ``isa()`` is ``"none"``;
+otherwise ``"avx512_vnni"`` or ``"avx2"``, the body it was built with).
 """
 
 from __future__ import annotations
@@ -27,4 +28,4 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 def load_w8a8_kernel() -> ModuleType | None:
     """The compiled module where it runs here (built first if need be), else None; logged once."""
     return optional_native_extension(MODULE_NAME, "int8", [SOURCE], CFLAGS, "int8 W8A8 CPU kernel",
-                                     fallback="the torch path", needs="AVX-512 VNNI")
+                                     fallback="the torch path", needs="AVX-512 VNNI or AVX2")

@@ -7,11 +7,12 @@ product accumulated exactly in int32 by ``torch._int_mm``. The torch reference
 computes the same integer product in float64 (exact: every partial sum is an
 integer far below 2**53), so the two agree to the last bit before scaling.
 
-On a CPU with AVX-512 VNNI, :func:`w8a8_linear_cpu` runs the whole dynamic
+On a CPU with AVX-512 VNNI or AVX2, :func:`w8a8_linear_cpu` runs the whole dynamic
 symmetric layer (quantize the rows, the int8 product, the scaling) in one C++ call
-(``csrc/w8a8_linear.cpp``), the same operations in the same order, so its output is
-:func:`w8a8_linear_torch`'s bit for bit, with ``128 * rowsum(W)`` taken out for its
-unsigned-by-signed products. It reads the row-major int8 weight (:func:`w8a8_linear_cpu`) or the
+(``csrc/w8a8_linear.cpp``, the AVX2 bodies in ``csrc/w8a8_avx2.h``), the same operations in
+the same order, so its output is :func:`w8a8_linear_torch`'s bit for bit (VNNI: ``128 *
+rowsum(W)`` taken out for its unsigned-by-signed products; AVX2: ``|w|`` times ``x`` with
+``w``'s sign, pairs exact in int16). It reads the row-major int8 weight (:func:`w8a8_linear_cpu`) or the
 panels a loaded layer keeps instead, packed once (:func:`w8a8_pack_panels_cpu`,
 :func:`w8a8_linear_packed_cpu`).
 """
@@ -121,12 +122,13 @@ def w8a8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     bias: torch.Tensor | None, product: str = "auto") -> torch.Tensor:
     """:func:`w8a8_linear_torch` in one call of the CPU kernel (where :func:`cpu_kernel_runs`);
     ``weight_row_sum``: ``weight.sum(dim=1)`` in int32, kept with the layer. ``product``: how the
-    kernel multiplies, ``"tiles"`` (its own VNNI loops over the weight as stored: few rows),
+    kernel multiplies, ``"tiles"`` (its own VNNI loops over the weight as stored: few rows; not in
+    the AVX2 build),
     ``"int_mm"`` (``torch._int_mm``, then its own scaling pass: many rows), ``"panels"`` (its own
-    VNNI tiles over weight panels it packs per call: many rows) or ``"auto"`` (tiles below 8
-    rows, panels from there on); all give the same bits."""
+    tiles over weight panels it packs per call: many rows) or ``"auto"`` (VNNI: tiles below 8
+    rows, panels from there on; AVX2: panels); all give the same bits."""
     if not cpu_kernel_runs():  # (cached) loading the kernel registers its op
-        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
+        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (neither AVX-512 VNNI nor AVX2, or no compiler)")
     return torch.ops.tokenmill_int8.w8a8_linear(x.contiguous(), weight, weight_scale, weight_row_sum,
                                                 None if bias is None else bias.float().contiguous(), product)
 
@@ -137,7 +139,7 @@ def w8a8_pack_panels_cpu(weight: torch.Tensor) -> torch.Tensor:
     reordered and padded to whole panels. The layer then keeps these instead of the weight (see
     :func:`w8a8_linear_packed_cpu`)."""
     if not cpu_kernel_runs():
-        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (no AVX-512 VNNI, or no compiler)")
+        raise RuntimeError("the int8 W8A8 CPU kernel does not run here (neither AVX-512 VNNI nor AVX2, or no compiler)")
     return torch.ops.tokenmill_int8.w8a8_pack_panels(weight.contiguous())
 
 
@@ -154,7 +156,7 @@ def w8a8_linear_packed_cpu(x: torch.Tensor, panels: torch.Tensor, in_features: i
 
 @functools.cache
 def cpu_kernel_runs() -> bool:
-    """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI). Loading it registers
+    """Whether the fused CPU kernel is built for this CPU (AVX-512 VNNI or AVX2). Loading it registers
     its ops, ``torch.ops.tokenmill_int8.w8a8_linear``, ``w8a8_linear_packed`` and ``w8a8_pack_panels``,
     and the two products' out overloads ``w8a8_linear.out`` and ``w8a8_linear_packed.out`` (in
     C++: calls through torch's dispatcher, which torch function modes see; the CPU platform's

@@ -12,7 +12,7 @@ layer loads one per shard and, its shards sharing one input, multiplies with one
 (:func:`~tokenmill_quant_int8.activations.merge_static_shards`). An asymmetric scheme
 keeps the int8 weight's row sums (``weight_row_sum``) for the zero-point correction.
 
-The default scheme (dynamic per-token, symmetric) runs on a CPU with AVX-512 VNNI as
+The default scheme (dynamic per-token, symmetric) runs on a CPU with AVX-512 VNNI or AVX2 as
 one call of the plugin's C++ kernel (:func:`~tokenmill_quant_int8.kernels.w8a8_linear_packed_cpu`,
 which needs the row sums too), elsewhere as torch ops; the two give the same bits. There the
 layer's ``weight`` is, once loaded, the kernel's panels (the same bytes in the order the kernel
@@ -84,7 +84,7 @@ class Int8W8A8LinearMethod:
         weight = cast(torch.Tensor, linear.weight)
         self.fused_cpu = self.activations == ActivationScheme() and weight.device.type == "cpu" and cpu_kernel_runs()
         if self.fused_cpu:
-            chosen_path(weight.device, "the AVX-512 VNNI kernel (per-token quantization, product and scaling in one call)")
+            chosen_path(weight.device, "the CPU kernel (per-token quantization, product and scaling in one call)")
             # The kernel adds a float32 bias: converted once here, not in every call (where a step
             # graph's capture would also refuse the conversion and run the step eagerly).
             bias = cast(torch.Tensor | None, linear.bias)

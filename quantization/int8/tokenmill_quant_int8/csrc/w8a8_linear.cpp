@@ -1,4 +1,5 @@
-// The INT8 W8A8 linear layer in one call on a CPU with AVX-512 VNNI:
+// The INT8 W8A8 linear layer in one call on a CPU with AVX-512 VNNI (the bodies here) or AVX2
+// (w8a8_avx2.h, the same operations and bits; its header says how it multiplies without vpdpbusd):
 //   y[M, N] = (((x_q @ W^T) as float) * x_scale[m]) * w_scale[n] (+ bias[n]), in x's dtype,
 // where x_q = clamp(round(x / x_scale), -127, 127) and x_scale = max(max|x[m, :]|, 1e-12) / 127
 // (dynamic per-token symmetric quantisation). Every step is the torch path's own operation in
@@ -41,23 +42,54 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TOKENMILL_INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_INT8_AVX2 1
+#endif
+#if defined(TOKENMILL_INT8_VNNI) || defined(TOKENMILL_INT8_AVX2)
+#define TOKENMILL_INT8_KERNEL 1
 #endif
 
 namespace {
 
+#if defined(TOKENMILL_INT8_KERNEL)
+constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
+constexpr float kInt8Max = 127.0f;
+
+struct Operands {
+  const int8_t* xq;          // [M, K]
+  const float* x_scale;      // [M]
+  const int8_t* w;           // [N, K]
+  const float* w_scale;      // [N]
+  const int32_t* w_row_sum;  // [N]
+  const float* bias;         // [N] or nullptr
+  int64_t M, K, N;
+};
+
+// The panels' layout, the same for both bodies (see "panels" below): 64 weight rows a panel, K
+// padded to 64, each k-step of 4 input columns 64 words (a word: a row's 4 bytes).
+constexpr int kPanelVectors = 4;                     // 16 weight rows each (a VNNI vector): 64 a panel
+constexpr int64_t kPanelCols = 16 * kPanelVectors;
+constexpr int64_t kPanelK = 64;                      // K padded to this (one 16 x 16 transpose of words)
+
+int64_t panel_words(int64_t Kp) { return Kp / 4 * kPanelVectors * 16; }
+int64_t panel_count(int64_t N) { return (N + kPanelCols - 1) / kPanelCols; }
+int64_t padded_k(int64_t K) { return (K + kPanelK - 1) / kPanelK * kPanelK; }
+#endif
+
 #if defined(TOKENMILL_INT8_VNNI)
 
+constexpr bool kHasTiles = true;
 constexpr int kTile = 4;             // input rows and weight rows of one register tile
 constexpr int64_t kRowChunk = 64;    // input rows a thread walks per weight tile
 constexpr int64_t kManyRowsFrom = 8;  // from here on, "auto" multiplies by kManyRows
-constexpr float kMinScale = 1e-12f;  // an all-zero row still gets a finite scale
-constexpr float kInt8Max = 127.0f;
 
 inline __mmask16 lanes16(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
@@ -101,16 +133,6 @@ float quantize_row(const In* x, int64_t K, int8_t* out) {
   }
   return scale;
 }
-
-struct Operands {
-  const int8_t* xq;          // [M, K]
-  const float* x_scale;      // [M]
-  const int8_t* w;           // [N, K]
-  const float* w_scale;      // [N]
-  const int32_t* w_row_sum;  // [N]
-  const float* bias;         // [N] or nullptr
-  int64_t M, K, N;
-};
 
 // The 16 lanes of each of a, b, c, d summed: [sum a, sum b, sum c, sum d].
 inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
@@ -217,10 +239,7 @@ void scale_rows(const Operands& op, const int32_t* acc, Out* y) {
 // same operations as scale_rows, in the same order) runs in registers on the finished sums. Here
 // each thread packs the panels it multiplies (16 x 16 transposes of 4-byte words) into its own
 // buffer in every call; a loaded layer packs them once instead (w8a8_pack_panels) and keeps only them.
-constexpr int kPanelVectors = 4;                     // 16 weight rows each: 64 a panel
-constexpr int64_t kPanelCols = 16 * kPanelVectors;
 constexpr int kPanelRows = 6;                        // input rows of one register tile
-constexpr int64_t kPanelK = 64;                      // K padded to this (one 16 x 16 transpose of words)
 constexpr int64_t kPrefetchBytes = 4096;             // how far ahead of its reads panel_tile asks for the panel
 
 // r[0 .. 16) (each 16 words) transposed in place: r[t] lane j = the old r[j] lane t.
@@ -347,9 +366,28 @@ void rows_by_panel(const Operands& op, const uint8_t* xu, int64_t Kp, const int3
   }
 }
 
-int64_t panel_words(int64_t Kp) { return Kp / 4 * kPanelVectors * 16; }
-int64_t panel_count(int64_t N) { return (N + kPanelCols - 1) / kPanelCols; }
-int64_t padded_k(int64_t K) { return (K + kPanelK - 1) / kPanelK * kPanelK; }
+// The rows of x quantised, shifted to unsigned and padded (with 128: times the panels' zero words)
+// to Kp bytes a row, for the panels.
+template <typename In>
+void quantize_panel_rows(const In* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xu, float* x_scale) {
+  tokenmill::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t m = begin; m < end; ++m) {
+      uint8_t* row = xu + m * Kp;
+      x_scale[m] = quantize_row(x + m * K, K, reinterpret_cast<int8_t*>(row));
+      std::memset(row + K, 0, static_cast<size_t>(Kp - K));
+      for (int64_t k = 0; k < Kp; k += 64) _mm512_storeu_si512(row + k, _mm512_xor_si512(_mm512_loadu_si512(row + k), shift));
+    }
+  });
+}
+
+#elif defined(TOKENMILL_INT8_AVX2)
+#include "w8a8_avx2.h"
+#endif
+
+#if defined(TOKENMILL_INT8_KERNEL)
+// What follows runs on either body's quantize_row, quantize_panel_rows, pack_panel, rows_by_panel
+// and scale_rows.
 
 template <typename Out>
 void product_by_panels(const Operands& op, const uint8_t* xu, int64_t Kp, Out* y) {
@@ -375,34 +413,19 @@ void product_by_packed_panels(const Operands& op, const uint8_t* xu, int64_t Kp,
 enum class Product { kTiles, kIntMm, kPanels };
 constexpr Product kManyRows = Product::kPanels;  // what "auto" takes from kManyRowsFrom rows on
 
-// The rows of x quantised, shifted to unsigned and padded (with 128: times the panels' zero words)
-// to Kp bytes a row, for the panels.
-template <typename In>
-void quantize_shifted(const In* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xu, float* x_scale) {
-  tokenmill::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t m = begin; m < end; ++m) {
-      uint8_t* row = xu + m * Kp;
-      x_scale[m] = quantize_row(x + m * K, K, reinterpret_cast<int8_t*>(row));
-      std::memset(row + K, 0, static_cast<size_t>(Kp - K));
-      for (int64_t k = 0; k < Kp; k += 64) _mm512_storeu_si512(row + k, _mm512_xor_si512(_mm512_loadu_si512(row + k), shift));
-    }
-  });
-}
-
-// x quantised for the panels (quantize_shifted) into tensors of this call: [M, Kp] bytes and [M] scales.
-struct ShiftedX {
+// x quantised for the panels (quantize_panel_rows) into tensors of this call: [M, Kp] bytes and [M] scales.
+struct PanelRows {
   torch::Tensor rows, scales;
 };
 
 template <typename In>
-ShiftedX shifted_x(const torch::Tensor& x, int64_t Kp) {
+PanelRows panel_rows(const torch::Tensor& x, int64_t Kp) {
   const int64_t M = x.size(0), K = x.size(1);
-  ShiftedX shifted{torch::empty({M, Kp}, x.options().dtype(torch::kUInt8)),
-                   torch::empty({M}, x.options().dtype(torch::kFloat32))};
-  quantize_shifted(reinterpret_cast<const In*>(x.data_ptr()), M, K, Kp, shifted.rows.data_ptr<uint8_t>(),
-                   shifted.scales.data_ptr<float>());
-  return shifted;
+  PanelRows quantized{torch::empty({M, Kp}, x.options().dtype(torch::kUInt8)),
+                      torch::empty({M}, x.options().dtype(torch::kFloat32))};
+  quantize_panel_rows(reinterpret_cast<const In*>(x.data_ptr()), M, K, Kp, quantized.rows.data_ptr<uint8_t>(),
+                      quantized.scales.data_ptr<float>());
+  return quantized;
 }
 
 template <typename In>
@@ -413,10 +436,10 @@ void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Te
   In* yp = reinterpret_cast<In*>(y.data_ptr());  // y has x's dtype
   if (product == Product::kPanels) {
     const int64_t Kp = padded_k(K);
-    const ShiftedX shifted = shifted_x<In>(x, Kp);
-    const Operands op{nullptr, shifted.scales.data_ptr<float>(), weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
-                      row_sum.data_ptr<int32_t>(), bias, M, K, N};
-    product_by_panels(op, shifted.rows.data_ptr<uint8_t>(), Kp, yp);
+    const PanelRows quantized = panel_rows<In>(x, Kp);
+    const Operands op{nullptr, quantized.scales.data_ptr<float>(), weight.data_ptr<int8_t>(),
+                      weight_scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(), bias, M, K, N};
+    product_by_panels(op, quantized.rows.data_ptr<uint8_t>(), Kp, yp);
     return;
   }
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
@@ -428,27 +451,29 @@ void linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Te
   });
   const Operands op{xqp, xsp, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(),
                     bias, M, K, N};
+#if defined(TOKENMILL_INT8_VNNI)
   if (product == Product::kTiles) {
     product_by_tiles(op, yp);
-  } else {
-    const auto acc = at::_int_mm(xq, weight.t()).contiguous();
-    scale_rows(op, acc.data_ptr<int32_t>(), yp);
+    return;
   }
+#endif
+  const auto acc = at::_int_mm(xq, weight.t()).contiguous();
+  scale_rows(op, acc.data_ptr<int32_t>(), yp);
 }
 
-// The layer over panels packed at load: x quantised (shifted, padded to Kp), then the panels.
+// The layer over panels packed at load: x quantised (padded to Kp), then the panels.
 template <typename In>
 void linear_packed(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& weight_scale,
                    const torch::Tensor& row_sum, const float* bias, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = weight_scale.size(0), Kp = panels.size(1) * 4;
-  const ShiftedX shifted = shifted_x<In>(x, Kp);
-  const Operands op{nullptr, shifted.scales.data_ptr<float>(), nullptr, weight_scale.data_ptr<float>(),
+  const PanelRows quantized = panel_rows<In>(x, Kp);
+  const Operands op{nullptr, quantized.scales.data_ptr<float>(), nullptr, weight_scale.data_ptr<float>(),
                     row_sum.data_ptr<int32_t>(), bias, M, K, N};
-  product_by_packed_panels(op, shifted.rows.data_ptr<uint8_t>(), Kp,
+  product_by_packed_panels(op, quantized.rows.data_ptr<uint8_t>(), Kp,
                            reinterpret_cast<const int32_t*>(panels.data_ptr<int8_t>()), reinterpret_cast<In*>(y.data_ptr()));
 }
 
-#endif  // TOKENMILL_INT8_VNNI
+#endif  // TOKENMILL_INT8_KERNEL
 
 // A row-major int8 weight [N, K] as the panels the kernel multiplies by: int8 [ceil(N / 64),
 // ceil(K / 64) * 16, 4, 64], panel p holding rows [64 p, 64 p + 64) (pack_panel's layout of
@@ -457,7 +482,7 @@ void linear_packed(const torch::Tensor& x, const torch::Tensor& panels, const to
 torch::Tensor w8a8_pack_panels(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
                   weight.device().is_cpu(), "w8a8_pack_panels: weight must be a contiguous CPU int8 [N, K]");
-#if defined(TOKENMILL_INT8_VNNI)
+#if defined(TOKENMILL_INT8_KERNEL)
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t panels = panel_count(N), Kp = padded_k(K);
   auto packed = torch::empty({panels, Kp / 4, kPanelVectors, 64}, weight.options());
@@ -468,7 +493,17 @@ torch::Tensor w8a8_pack_panels(const torch::Tensor& weight) {
   });
   return packed;
 #else
-  TORCH_CHECK(false, "w8a8_pack_panels: this build has no AVX-512 VNNI kernel (isa() is 'none')");
+  TORCH_CHECK(false, "w8a8_pack_panels: this build has no vector kernel: the CPU has neither AVX-512 VNNI nor AVX2 (isa() is 'none')");
+#endif
+}
+
+std::string isa() {
+#if defined(TOKENMILL_INT8_VNNI)
+  return "avx512_vnni";
+#elif defined(TOKENMILL_INT8_AVX2)
+  return "avx2";
+#else
+  return "none";
 #endif
 }
 
@@ -503,7 +538,7 @@ void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels
   TORCH_CHECK(x.size(1) == in_features, "w8a8_linear_packed: x has ", x.size(1), " features, the weight ", in_features);
   const int64_t N = weight_scale.dim() == 1 ? weight_scale.size(0) : -1;
   const float* bias_ptr = check_scales(weight_scale, weight_row_sum, bias, N);
-#if defined(TOKENMILL_INT8_VNNI)
+#if defined(TOKENMILL_INT8_KERNEL)
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == torch::kInt8 && panels.is_contiguous() &&
                   panels.size(0) == panel_count(N) && panels.size(1) * 4 == padded_k(in_features) &&
                   panels.size(2) == kPanelVectors && panels.size(3) == 64,
@@ -518,7 +553,7 @@ void w8a8_linear_packed_into(const torch::Tensor& x, const torch::Tensor& panels
     linear_packed<c10::Half>(x, panels, weight_scale, weight_row_sum, bias_ptr, y);
   }
 #else
-  TORCH_CHECK(false, "w8a8_linear_packed: this build has no AVX-512 VNNI kernel (isa() is 'none')");
+  TORCH_CHECK(false, "w8a8_linear_packed: this build has no vector kernel: the CPU has neither AVX-512 VNNI nor AVX2 (isa() is 'none')");
 #endif
 }
 
@@ -556,7 +591,8 @@ void w8a8_linear_into(const torch::Tensor& x, const torch::Tensor& weight, const
   const float* bias_ptr = check_scales(weight_scale, weight_row_sum, bias, N);
   TORCH_CHECK(product == "auto" || product == "tiles" || product == "int_mm" || product == "panels",
               "w8a8_linear: product must be 'auto', 'tiles', 'int_mm' or 'panels', not '", std::string(product), "'");
-#if defined(TOKENMILL_INT8_VNNI)
+#if defined(TOKENMILL_INT8_KERNEL)
+  TORCH_CHECK(kHasTiles || product != "tiles", "w8a8_linear: this build (", isa(), ") has no 'tiles' product");
   if (x.size(0) > 0 && N > 0) {
     const Product chosen = product == "tiles" ? Product::kTiles
                            : product == "int_mm" ? Product::kIntMm
@@ -571,7 +607,7 @@ void w8a8_linear_into(const torch::Tensor& x, const torch::Tensor& weight, const
     }
   }
 #else
-  TORCH_CHECK(false, "w8a8_linear: this build has no AVX-512 VNNI kernel (isa() is 'none')");
+  TORCH_CHECK(false, "w8a8_linear: this build has no vector kernel: the CPU has neither AVX-512 VNNI nor AVX2 (isa() is 'none')");
 #endif
 }
 
@@ -597,13 +633,6 @@ torch::Tensor& w8a8_linear_out(const torch::Tensor& x, const torch::Tensor& weig
   return out;
 }
 
-std::string isa() {
-#if defined(TOKENMILL_INT8_VNNI)
-  return "avx512_vnni";
-#else
-  return "none";
-#endif
-}
 
 }  // namespace
 
@@ -632,5 +661,5 @@ TORCH_LIBRARY_IMPL(tokenmill_int8, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "the instruction set the kernel was built for ('none': not built for VNNI)");
+  m.def("isa", &isa, "the instruction set the kernel was built for: 'avx512_vnni', 'avx2' or 'none'");
 }
