@@ -116,7 +116,7 @@ def test_the_avx2_build_passes_the_kernel_tests():
     (in the same kernel cache, so a second run loads it), which must hold no AVX-512 instruction."""
     env = dict(os.environ, **{ISA_VARIABLE: "avx2"})
     files = ["test_layer_ops.py", "test_paged_attention.py", "test_sampling_kernel.py", "test_non_finite.py",
-             "test_kernel_isa.py"]
+             "test_grouped_moe_kernel.py", "test_grouped_moe_lanes.py", "test_kernel_isa.py"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not long",
                           *[str(TESTS / name) for name in files]], env=env, capture_output=True, text=True,
                          timeout=1800)

@@ -22,7 +22,9 @@
 // The products are dot products along the weights' rows, as the checkpoint lays them
 // out (no packed copy): AVX-512F FMAs for float32, AVX512-BF16 dot products
 // (vdpbf16ps, exact products summed in float32) for bfloat16; a masked load takes a
-// row's tail. Without them a scalar loop stands in (correct, slow).
+// row's tail. An AVX2+FMA build (an AVX2-only CPU) has 8-lane FMA bodies for both dtypes,
+// bfloat16 widened to float32 as it is loaded (moe_lane_tiles.h says how its lane tiles
+// fit 16 registers). Without either a scalar loop stands in (correct, slow).
 //
 // Threads: the items are cut so that each costs about the same (a weight row's load
 // plus a row product per pair), an expert with most of the pairs getting more, narrower
@@ -54,6 +56,11 @@
 #include <type_traits>
 #include <vector>
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_MOE_AVX2 1  // an AVX2-only CPU: the 8-lane bodies
+#include "vector_avx2.h"
+#endif
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -74,6 +81,8 @@ inline float as_stored(float v) {
   return std::is_same_v<T, float> ? v : static_cast<float>(static_cast<bf16>(v));
 }
 
+// An AVX2+FMA build (TOKENMILL_MOE_AVX2) has bodies for both dtypes; an AVX-512 build keeps its
+// own, and runs bfloat16 through them only with AVX512-BF16.
 template <typename T>
 constexpr bool has_vector_body() {
 #if defined(__AVX512F__)
@@ -81,6 +90,9 @@ constexpr bool has_vector_body() {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<T, bf16>) return true;
+#endif
+#if defined(TOKENMILL_MOE_AVX2)
+  return true;
 #endif
   return false;
 }
@@ -143,6 +155,41 @@ inline void multiply_add(__m512 (&acc)[R][M], const T* const* w, const T* const*
 }
 #endif
 
+#if defined(TOKENMILL_MOE_AVX2)
+// dot_tile's AVX2 body for M <= 2 rows, into sums[r][m0 + m]: R x M sums, R weight vectors and
+// a row vector in 13 of the 16 registers (four rows' 16 sums would not fit); a row's tail past
+// the last whole vector is summed as scalars.
+template <typename T, int R, int M>
+__attribute__((always_inline)) inline void avx2_dot_rows(const T* const* w, const T* const* x, int64_t k,
+                                                         float (&sums)[R][kTileRows], int m0) {
+  __m256 acc[R][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = tokenmill::avx2::load8(w[r] + i);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = tokenmill::avx2::load8(x[m] + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      float sum = tokenmill::avx2::reduce_add8(acc[r][m]);
+      for (int64_t j = i; j < k; ++j) sum += widen(w[r][j]) * widen(x[m][j]);
+      sums[r][m0 + m] = sum;
+    }
+}
+#endif
+
 // sums[r][m] = w[r][0:k] . x[m][0:k] for r < R, m < M. Not inlined: inside the tile loops
 // the compiler ran short of registers (pointers moved through vector registers, each x
 // vector loaded once per weight row).
@@ -182,6 +229,11 @@ __attribute__((noinline)) void dot_tile(const T* const* w, const T* const* x, in
     }
     return;
   }
+#endif
+#if defined(TOKENMILL_MOE_AVX2)
+  avx2_dot_rows<T, R, (M < 2 ? M : 2)>(w, x, k, sums, 0);
+  if constexpr (M > 2) avx2_dot_rows<T, R, M - 2>(w, x + 2, k, sums, 2);
+  return;
 #endif
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -307,7 +359,7 @@ LaneBlocks<T> lane_blocks(const Problem<T>& pb, const Groups& g, const std::vect
   return lb;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(TOKENMILL_MOE_AVX2)
 // The lane tiles' gate/up for an item (columns a multiple of kGateCols): h in blocks.
 template <typename T>
 void gate_up_lane_item(const Problem<T>& pb, const Groups& g, const LaneBlocks<T>& lb, const Item& item) {
@@ -470,7 +522,7 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
   const auto up_items = balanced_items(g, I, [&](int64_t e) -> int64_t { return lb.takes(e) ? lanes::kGateCols : 2; });
   tokenmill::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(TOKENMILL_MOE_AVX2)
       if constexpr (has_vector_body<T>())
         if (lb.takes(up_items[i].expert)) {
           gate_up_lane_item(pb, g, lb, up_items[i]);
@@ -484,7 +536,7 @@ void run_experts(const Problem<T>& pb, const int64_t* ids, int64_t tokens, int64
       balanced_items(g, H, [&](int64_t e) -> int64_t { return lb.takes(e) ? lanes::kDownCols : kTileWeights; });
   tokenmill::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(TOKENMILL_MOE_AVX2)
       if constexpr (has_vector_body<T>())
         if (lb.takes(down_items[i].expert)) {
           down_lane_item(pb, g, lb, down_items[i], by_pair.get());
