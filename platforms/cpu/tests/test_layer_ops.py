@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.layers import NativeLayerOps
-from tokenmill_platform_cpu.kernels import kernels_available, load_kernels
+from tokenmill_platform_cpu.kernels import kernel_isa, kernels_available, load_kernels
 from tokenmill_platform_cpu.layer_ops import PACKED_MAX_ROWS, PACKED_MIN_ROWS, CpuLayerOps
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build the kernels")
@@ -98,6 +98,38 @@ def test_packed_linear_keeps_leading_dimensions_and_reads_strided_rows(ops):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [PACKED_MIN_ROWS, 7, 8, 64, PACKED_MAX_ROWS + 1, 700])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(384, 256), (1000, 77)])
+def test_bfloat16_panels_take_every_row_count_where_they_are_built(ops, rows, bias, shape):
+    """The AVX2 build packs bfloat16 weights too (torch's bfloat16 matmul is a scalar loop on such a
+    CPU) and runs them from PACKED_MIN_ROWS rows up, prefill chunks included: float32 sums of
+    widened weights, rounded once (so one bfloat16 rounding of the float64 reference)."""
+    if torch.bfloat16 not in {getattr(torch, name) for name in load_kernels().packed_linear_dtypes()}:
+        pytest.skip("this build leaves bfloat16 matmuls to torch (oneDNN)")
+    torch.manual_seed(4)
+    weight = torch.randn(*shape).bfloat16()
+    b = torch.randn(shape[0]).bfloat16() if bias else None
+    prepared = ops.prepare_linear_weight(weight)
+    assert prepared is not None and prepared.dtype == torch.bfloat16
+    x = torch.randn(rows, shape[1]).bfloat16()
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double()).float()
+    got = ops.linear(x, weight, b, prepared)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, **_SMALL_LINEAR_TOLERANCE[torch.bfloat16])
+    direct = load_kernels().packed_linear(x, prepared, shape[0], b)  # the kernel itself, not torch's matmul
+    torch.testing.assert_close(direct.float(), expected, **_SMALL_LINEAR_TOLERANCE[torch.bfloat16])
+
+
+def test_panels_of_another_dtype_are_refused():
+    kernels = load_kernels()
+    panels = kernels.pack_linear_weight(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="x and panels of one of packed_linear_dtypes"):
+        kernels.packed_linear(torch.randn(4, 32).bfloat16(), panels, 64, None)
+    with pytest.raises(RuntimeError, match="pack_linear_weight: a \\[N, K\\] weight of one of packed_linear_dtypes"):
+        kernels.pack_linear_weight(torch.randn(64, 32).half())
+
+
 def test_packed_linear_rejects_panels_of_another_shape():
     kernels = load_kernels()
     panels = kernels.pack_linear_weight(torch.randn(64, 32))  # two panels: 33 to 64 outputs
@@ -111,7 +143,9 @@ def test_other_dtypes_fall_back_to_the_reference(ops):
     x = torch.randn(5, 64, dtype=torch.float16)
     weight = torch.randn(64, dtype=torch.float16)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6))
-    assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.float16)) is None
+    if "bfloat16" not in load_kernels().packed_linear_dtypes():  # (the AVX2 build packs bfloat16 too)
+        assert ops.prepare_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
 
 
 @pytest.mark.parametrize("tokens", [1, 37])
@@ -194,3 +228,8 @@ def test_matmul_kernels_have_the_vector_bodies_this_cpu_supports():
     assert ("float32" in dtypes) == vector
     assert ("bfloat16" in dtypes) == vector  # AVX512-BF16 dot products, else AVX2 widening loads
     assert load_kernels().packed_linear_available() == vector
+    # bfloat16 panels where torch's own bfloat16 matmul has no vector kernel: an AVX2 CPU (or an
+    # AVX2 build of the kernels, TOKENMILL_CPU_ISA=avx2, which stands for one)
+    avx2_build = kernel_isa().split()[0] == "avx2"
+    expected_packed = {"float32", "bfloat16"} if vector and avx2_build else {"float32"} if vector else set()
+    assert set(load_kernels().packed_linear_dtypes()) == expected_packed

@@ -2,7 +2,10 @@
 (float32 and bfloat16), a C++ kernel for linear layers of a few rows (float32
 and bfloat16), a kernel on packed weights for float32 decode batches
 (larger bfloat16 matmuls go to torch, which runs them on oneDNN, with AMX where
-the CPU has it); anything else goes to the torch reference they are tested against.
+the CPU has it; on a CPU without AVX-512, where torch's bfloat16 matmul is a scalar
+loop ~100x slower than float32's, the kernels' AVX2 build packs bfloat16 weights too and
+takes their matmuls at every row count); anything else goes to the torch reference they
+are tested against.
 
 Packed matmuls: after loading, each float32 linear weight is copied once into
 column panels (``kernels/panel_matmul.cpp``), and matmuls of
@@ -34,6 +37,10 @@ PACKED_MIN_ROWS = 3
 # rows both ran at ~257 GFLOP/s on a 100m model's weights, at 384-512 rows sgemm was
 # 7-13% ahead on tiny's.
 PACKED_MAX_ROWS = 256
+# bfloat16 panels exist only in the kernels' AVX2 build (``packed_linear_dtypes``), where torch's
+# own bfloat16 matmul is a scalar loop: 0.9 GFLOP/s on two Zen 3 cores against the panels' ~100
+# at any row count, so they take prefill chunks too.
+PACKED_MAX_ROWS_BY_DTYPE = {torch.float32: PACKED_MAX_ROWS, torch.bfloat16: 1 << 62}
 # Matmuls of at most this many rows (by dtype) go to the C++ small-matmul kernel,
 # which reads the weights faster than torch does: bfloat16 ~2x (one to four rows),
 # 1.3x (six; as fast at eight), float32 ~1.1x at one row (MKL's sgemv) and as fast
@@ -62,12 +69,12 @@ class CpuLayerOps(NativeLayerOps):
         # rows per dtype for the small-matmul kernel, for the dtypes it has a vector body for in this build
         self._small_max_rows = {dtype: SMALL_MAX_ROWS[dtype]
                                 for dtype in (getattr(torch, name) for name in kernels.small_linear_dtypes())}
-        self._packing = bool(kernels.packed_linear_available())
+        self._packed_dtypes = {getattr(torch, name) for name in kernels.packed_linear_dtypes()}
         self._grouped_moe_dtypes = {getattr(torch, name) for name in kernels.grouped_moe_dtypes()}
         self._packed_budget = packed_budget
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if weight.dtype != torch.float32 or weight.dim() != 2 or not self._packing:
+        if weight.dtype not in self._packed_dtypes or weight.dim() != 2:
             return None
         size = weight.numel() * weight.element_size()
         if size > self._packed_budget:
@@ -80,7 +87,8 @@ class CpuLayerOps(NativeLayerOps):
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         if 1 <= rows <= self._small_max_rows.get(x.dtype, 0) and x.dtype == weight.dtype:
             out = active_kernels(self._kernels).small_linear(x.reshape(rows, -1), weight, bias)
-        elif prepared is not None and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+        elif (prepared is not None and x.dtype == prepared.dtype
+              and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS_BY_DTYPE.get(x.dtype, 0)):
             out = active_kernels(self._kernels).packed_linear(x.reshape(rows, -1), prepared, weight.shape[0], bias)
         else:
             return F.linear(x, weight, bias)

@@ -14,6 +14,7 @@ at::Tensor greedy_sample(at::Tensor logits);
 at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
 std::vector<std::string> small_linear_dtypes();
 bool packed_linear_available();
+std::vector<std::string> packed_linear_dtypes();
 at::Tensor pack_linear_weight(at::Tensor weight);
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
@@ -39,8 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x @ weight.T (+ bias) for 1-6 rows (float32 or bfloat16)");
   m.def("small_linear_dtypes", &small_linear_dtypes, "The dtypes small_linear has a vector body for");
   m.def("packed_linear_available", &packed_linear_available, "Whether packed_linear has a vector body (AVX-512 or AVX2+FMA)");
-  m.def("pack_linear_weight", &pack_linear_weight, "float32 weight [N, K] -> column panels for packed_linear");
-  m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32, decode batch sizes)");
+  m.def("packed_linear_dtypes", &packed_linear_dtypes, "The weight dtypes pack_linear_weight packs (bfloat16: AVX2 builds)");
+  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> column panels for packed_linear");
+  m.def("packed_linear", &packed_linear, "x @ weight.T (+ bias) on packed panels (float32 decode batches; bfloat16 on AVX2)");
   m.def("write_kv_cache", &write_kv_cache, "Copy each token's K and V rows to its cache slot (any dtype)");
   m.def("lora_delta_", &lora_delta_, "out[t] += B_s A_s x[t] by each token's adapter slot, in place (float32)");
   m.def("grouped_moe", &grouped_moe, "A MoE layer's experts for [T, k] routed tokens in one call (float32 or bfloat16)",

@@ -21,16 +21,37 @@
 // outputs: 12 registers of sums, two of weights, one broadcast.
 // Without either (packed_linear_available() false) the platform keeps torch's
 // matmul; the scalar loop here only keeps the kernel correct.
+//
+// bfloat16 panels (the AVX2 build only): on a CPU without AVX-512, torch's own bfloat16
+// matmul is a scalar loop (0.9 GFLOP/s on two Zen 3 cores, against 124 for float32), so a
+// bfloat16 model's linear layers would run ~100x slower than float32 ones. There the weights
+// are packed as bfloat16 panels (the same layout, half the bytes), each weight vector widened
+// to float32 as the tile loads it (a shift), x widened once per call; the sums are float32,
+// the bias added, and each output rounded once to bfloat16, as torch's bfloat16 matmul rounds.
+// An AVX-512 build keeps bfloat16 on torch (oneDNN's kernels, AMX where there is one).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "thread_pool.h"
+#include "vector_avx2.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 namespace {
+
+using bf16 = c10::BFloat16;
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_BF16_PANELS 1
+constexpr bool kBf16Panels = true;
+#else
+constexpr bool kBf16Panels = false;
+#endif
 
 #ifdef __AVX512F__
 constexpr int64_t kPanel = 32;  // outputs per panel
@@ -40,9 +61,10 @@ constexpr int64_t kPanel = 16;  // AVX2: two ymm vectors per k
 constexpr int kTileRows = 6;    // 6 x 2 vectors of sums: 12 of the 16 ymm registers
 #endif
 
+template <typename T>  // float, or (kBf16Panels) bfloat16
 struct Panel {
-  const float* weights;  // [K, kPanel]
-  const float* next;     // the next panel of this thread, or nullptr
+  const T* weights;  // [K, kPanel]
+  const T* next;     // the next panel of this thread, or nullptr
   int64_t k;
   int64_t columns;      // real outputs in this panel (the last one may be short)
   const float* bias;    // this panel's first bias, or nullptr
@@ -52,7 +74,7 @@ struct Panel {
 // out[r, 0:columns] = x[r, :] . panel + bias for R rows of x (row stride k),
 // prefetching the next panel's rows [prefetch, prefetch_end), one every `every` k steps.
 template <int R>
-void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const float* prefetch,
+void tile(const float* x, const Panel<float>& p, float* out, int64_t out_stride, const float* prefetch,
           const float* prefetch_end, int64_t every) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -80,11 +102,11 @@ void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const 
   }
 }
 
-using TileFn = void (*)(const float*, const Panel&, float*, int64_t, const float*, const float*, int64_t);
+using TileFn = void (*)(const float*, const Panel<float>&, float*, int64_t, const float*, const float*, int64_t);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                           tile<5>, tile<6>, tile<7>, tile<8>};
 
-void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+void panel_rows(const float* x, int64_t m, const Panel<float>& p, float* out, int64_t n) {
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t share = (p.k + tiles - 1) / tiles;  // next-panel rows each tile prefetches
   const int64_t every = std::max<int64_t>(1, p.k / std::max<int64_t>(1, share));
@@ -96,10 +118,11 @@ void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// As the AVX-512 tile, 16 outputs (one cache line of weights per k step) for R <= 6 rows.
-template <int R>
-void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const float* prefetch,
-          const float* prefetch_end, int64_t every) {
+// As the AVX-512 tile, 16 outputs (one cache line of float32 weights per k step) for R <= 6
+// rows; bfloat16 weights are widened as loaded and the outputs rounded to bfloat16.
+template <typename T, int R>
+void tile(const float* x, const Panel<T>& p, T* out, int64_t out_stride, const T* prefetch, const T* prefetch_end,
+          int64_t every) {
   // Every loop over r unrolled, so that GCC keeps the sums in registers: a loop it does not
   // unroll (a memset, the epilogue's column loops) indexes them, which puts them in memory,
   // stored back on every k step (then 1.5-2x slower than torch's matmul).
@@ -116,8 +139,8 @@ void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const 
       _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
       prefetch += kPanel;
     }
-    const __m256 w_lo = _mm256_loadu_ps(p.weights + i * kPanel);
-    const __m256 w_hi = _mm256_loadu_ps(p.weights + i * kPanel + 8);
+    const __m256 w_lo = tokenmill::avx2::load8(p.weights + i * kPanel);
+    const __m256 w_hi = tokenmill::avx2::load8(p.weights + i * kPanel + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * p.k + i);
       lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
@@ -131,26 +154,30 @@ void tile(const float* x, const Panel& p, float* out, int64_t out_stride, const 
     _mm256_store_ps(rows[r] + 8, hi[r]);
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < p.columns; ++j) out[r * out_stride + j] = rows[r][j] + (p.bias != nullptr ? p.bias[j] : 0.f);
+    for (int64_t j = 0; j < p.columns; ++j)
+      out[r * out_stride + j] = static_cast<T>(rows[r][j] + (p.bias != nullptr ? p.bias[j] : 0.f));
 }
 
-using TileFn = void (*)(const float*, const Panel&, float*, int64_t, const float*, const float*, int64_t);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+template <typename T>
+using TileFn = void (*)(const float*, const Panel<T>&, T*, int64_t, const T*, const T*, int64_t);
+template <typename T>
+constexpr TileFn<T> kTiles[kTileRows + 1] = {nullptr, tile<T, 1>, tile<T, 2>, tile<T, 3>, tile<T, 4>, tile<T, 5>, tile<T, 6>};
 
 // the AVX-512 panel_rows, over 6-row tiles
-void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+template <typename T>
+void panel_rows(const float* x, int64_t m, const Panel<T>& p, T* out, int64_t n) {
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t share = (p.k + tiles - 1) / tiles;  // next-panel rows each tile prefetches
   const int64_t every = std::max<int64_t>(1, p.k / std::max<int64_t>(1, share));
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r = t * kTileRows, rows = std::min<int64_t>(kTileRows, m - r);
-    const float* prefetch = p.next != nullptr ? p.next + std::min(p.k, t * share) * kPanel : nullptr;
-    const float* prefetch_end = p.next != nullptr ? p.next + std::min(p.k, (t + 1) * share) * kPanel : nullptr;
-    kTiles[rows](x + r * p.k, p, out + r * n, n, prefetch, prefetch_end, every);
+    const T* prefetch = p.next != nullptr ? p.next + std::min(p.k, t * share) * kPanel : nullptr;
+    const T* prefetch_end = p.next != nullptr ? p.next + std::min(p.k, (t + 1) * share) * kPanel : nullptr;
+    kTiles<T>[rows](x + r * p.k, p, out + r * n, n, prefetch, prefetch_end, every);
   }
 }
 #else
-void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n) {
+void panel_rows(const float* x, int64_t m, const Panel<float>& p, float* out, int64_t n) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < p.columns; ++j) {
       float sum = p.bias != nullptr ? p.bias[j] : 0.f;
@@ -159,6 +186,22 @@ void panel_rows(const float* x, int64_t m, const Panel& p, float* out, int64_t n
     }
 }
 #endif
+
+// The panels of the weight [N, K] (rows [p * kPanel, ...) each) through threads taking ranges of
+// them; x [M, K] float32 (a bfloat16 x is widened by the caller), out [M, N].
+template <typename T>
+void run_panels(const float* x, const T* panels, const float* bias, T* out, int64_t m, int64_t k, int64_t n,
+                int64_t count) {
+  tokenmill::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const Panel<T> panel{panels + p * k * kPanel, p + 1 < end ? panels + (p + 1) * k * kPanel : nullptr, k,
+                           std::min(kPanel, n - p * kPanel), bias != nullptr ? bias + p * kPanel : nullptr};
+      panel_rows(x, m, panel, out + p * kPanel, n);
+    }
+  });
+}
+
+bool packs(at::ScalarType dtype) { return dtype == at::kFloat || (kBf16Panels && dtype == at::kBFloat16); }
 
 }  // namespace
 
@@ -170,33 +213,55 @@ bool packed_linear_available() {
 #endif
 }
 
-// weight [N, K] float32 -> panels [ceil(N / kPanel), K, kPanel] (kPanel: 32 with AVX-512, else 16)
-at::Tensor pack_linear_weight(at::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_linear_weight: float32 [N, K]");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  auto w = weight.contiguous();
-  auto out = at::empty({panels, k, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// The weight dtypes pack_linear_weight packs (none without a vector body).
+std::vector<std::string> packed_linear_dtypes() {
+  if (!packed_linear_available()) return {};
+  if (kBf16Panels) return {"float32", "bfloat16"};
+  return {"float32"};
+}
+
+namespace {
+
+template <typename T>
+void pack_panels(const T* src, int64_t n, int64_t k, T* dst) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
   tokenmill::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       // written in order, read from the panel's kPanel rows side by side (their lines stay in L1)
       const int64_t columns = std::min(kPanel, n - p * kPanel);
-      float* out_row = dst + p * k * kPanel;
-      const float* rows = src + p * kPanel * k;
+      T* out_row = dst + p * k * kPanel;
+      const T* rows = src + p * kPanel * k;
       for (int64_t i = 0; i < k; ++i, out_row += kPanel) {
         for (int64_t j = 0; j < columns; ++j) out_row[j] = rows[j * k + i];
-        for (int64_t j = columns; j < kPanel; ++j) out_row[j] = 0.f;  // the last panel's padding
+        for (int64_t j = columns; j < kPanel; ++j) out_row[j] = T(0);  // the last panel's padding
       }
     }
   });
+}
+
+}  // namespace
+
+// weight [N, K] float32 (or bfloat16: packed_linear_dtypes) -> panels [ceil(N / kPanel), K, kPanel]
+// of its dtype (kPanel: 32 with AVX-512, else 16)
+at::Tensor pack_linear_weight(at::Tensor weight) {
+  TORCH_CHECK(packs(weight.scalar_type()) && weight.dim() == 2,
+              "pack_linear_weight: a [N, K] weight of one of packed_linear_dtypes(), not ", weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  auto w = weight.contiguous();
+  auto out = at::empty({panels, k, kPanel}, w.options());
+  if (w.scalar_type() == at::kFloat)
+    pack_panels(w.data_ptr<float>(), n, k, out.data_ptr<float>());
+  else
+    pack_panels(w.data_ptr<bf16>(), n, k, out.data_ptr<bf16>());
   return out;
 }
 
 namespace {
 
 void check_packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(packs(panels.scalar_type()) && x.scalar_type() == panels.scalar_type(),
+              "packed_linear: x and panels of one of packed_linear_dtypes(), not ", x.scalar_type(), " and ",
+              panels.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
               "packed_linear: x [M, K] and panels [P, K, ", kPanel, "]");
@@ -210,10 +275,10 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
 void packed_linear_out(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                        at::Tensor& out) {
   check_packed_linear(x, panels, n);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == n,
-              "packed_linear: out must be a contiguous float32 [M, N] tensor");
-  auto xs = x.contiguous();
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == n,
+              "packed_linear: out must be a contiguous [M, N] tensor of x's dtype");
+  auto xs = x.to(at::kFloat).contiguous();  // (bfloat16: widened once here, not per broadcast)
   auto ps = panels.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -223,19 +288,17 @@ void packed_linear_out(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   const int64_t m = xs.size(0), k = xs.size(1), count = ps.size(0);
   if (m == 0) return;
   const float* x_ptr = xs.data_ptr<float>();
-  const float* p_ptr = ps.data_ptr<float>();
   const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* out_ptr = out.data_ptr<float>();
-  tokenmill::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const Panel panel{p_ptr + p * k * kPanel, p + 1 < end ? p_ptr + (p + 1) * k * kPanel : nullptr, k,
-                        std::min(kPanel, n - p * kPanel), b_ptr != nullptr ? b_ptr + p * kPanel : nullptr};
-      panel_rows(x_ptr, m, panel, out_ptr + p * kPanel, n);
-    }
-  });
+  if (ps.scalar_type() == at::kFloat) {
+    run_panels(x_ptr, ps.data_ptr<float>(), b_ptr, out.data_ptr<float>(), m, k, n, count);
+    return;
+  }
+#if defined(TOKENMILL_BF16_PANELS)
+  run_panels(x_ptr, ps.data_ptr<bf16>(), b_ptr, out.data_ptr<bf16>(), m, k, n, count);
+#endif
 }
 
-// x [M, K] float32, panels from pack_linear_weight of an [N, K] weight, bias [N] -> [M, N]
+// x [M, K], panels from pack_linear_weight of an [N, K] weight of x's dtype, bias [N] -> [M, N]
 at::Tensor packed_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
   check_packed_linear(x, panels, n);
   auto out = at::empty({x.size(0), n}, x.options());
