@@ -10,7 +10,9 @@ kernel's 8-position blocks. Act order: a shuffled g_idx (AutoGPTQ's) and an unev
 of any size, each padded on its own). With AVX512_VNNI, up to 8 rows of x take the integer path
 (x rounded to int8 planes per row and group; bfloat16 / float16 x up to 8 rows, float32 up to 4):
 M = 1 and 4 run it, 5 to 8 run it in half precision and the float path in float32, 9 and 64 the
-float path; its own test checks the planes' stated bound input by input, with outliers, an
+float path (the AVX2 body, on a CPU without AVX-512, has only the float path: unpacked per 4 rows, and
+dequantised once per tile from 8 rows on, which M = 8, 9 and 64 cross); its own test checks the planes'
+stated bound input by input, with outliers, an
 all-zero group and rows near float32's smallest normal. The layer tests check that GPTQ, AWQ and compressed-tensors
 layers take the kernel, loaded from their on-disk tensors by the conformance kit's loader.
 """
@@ -35,6 +37,7 @@ from tokenmill.layers import (
     dequantize_grouped,
     pack_for_cpu,
     packed_int_integer_decode,
+    packed_int_kernel_isa,
     packed_int_kernel_runs,
 )
 from tokenmill.testing.quantization import QuantizationConformance, QuantizedWeights, random_weight
@@ -45,11 +48,14 @@ def _cpu_has(*flags: str) -> bool:
     return all(flag in text for flag in flags)
 
 
-def _has_avx512() -> bool:
-    return _cpu_has("avx512f", "avx512bw", "avx512vl")
+def _expected_isa() -> str:
+    """What the kernel builds for here (-march=native): AVX-512 F/BW/VL bodies, else AVX2 ones."""
+    if _cpu_has("avx512f", "avx512bw", "avx512vl"):
+        return "avx512"
+    return "avx2" if _cpu_has("avx2", "fma", "f16c") else "none"
 
 
-pytestmark = pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 F/BW/VL on this CPU")
+pytestmark = pytest.mark.skipif(_expected_isa() == "none", reason="neither AVX-512 F/BW/VL nor AVX2 on this CPU")
 K, N = 200, 33
 CASES = [  # (bits, group_size, g_idx order, symmetric)
     (4, 32, "natural", False), (4, 128, "natural", True), (4, -1, "natural", False), (4, 32, "shuffled", False),
@@ -79,8 +85,9 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.double() - expected).norm() / expected.norm())
 
 
-def test_the_kernel_is_built_where_the_cpu_has_avx512() -> None:
+def test_the_kernel_is_built_for_the_cpus_instruction_set() -> None:
     assert packed_int_kernel_runs()
+    assert packed_int_kernel_isa().startswith(_expected_isa())
 
 
 @pytest.mark.parametrize(("bits", "group_size", "order", "symmetric"), CASES)

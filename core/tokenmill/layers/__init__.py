@@ -62,6 +62,7 @@ from tokenmill.layers.packed_int_cpu import (
     cpu_packed_int_weights,
     pack_for_cpu,
     packed_int_integer_decode,
+    packed_int_kernel_isa,
     packed_int_kernel_runs,
 )
 from tokenmill.layers.pipeline import PipelineStage, left_out_prefixes, make_layers, on_stage
@@ -86,6 +87,7 @@ __all__ = [
     "cpu_packed_int_weights",
     "pack_for_cpu",
     "packed_int_integer_decode",
+    "packed_int_kernel_isa",
     "packed_int_kernel_runs",
     "Attention",
     "AuxHiddenStateRecorder",

@@ -3,7 +3,7 @@
 The three plugins keep their own checkpoint layouts and loaders; once a layer's weights are
 loaded each hands its values in one form, ``q`` ``[K, N]`` (unpacked), ``zeros`` and ``scales``
 ``[G, N]`` and ``g_idx`` ``[K]``, to :func:`pack_for_cpu`, which writes them once into the
-layout the C++ kernel (``csrc/packed_int_linear.cpp``, AVX-512 F/BW/VL) reads: GPTQ-style int32
+layout the C++ kernel (``csrc/packed_int_linear.cpp``, AVX-512 F/BW/VL, or AVX2 on 8-lane vectors) reads: GPTQ-style int32
 words of 4- or 8-bit values regrouped in tiles of 16 outputs, the inputs reordered so that each group's are
 contiguous (act order: ``g_idx`` any assignment of inputs to groups; each call gathers x's
 columns in that order) and padded to a multiple of 8. The kernel dequantises in registers and
@@ -11,8 +11,8 @@ multiplies in float32, so its output is the dequantised weight's product up to t
 the float32 sums; with AVX512_VNNI, up to 8 rows of x (decode) are instead rounded to int8
 planes (2 for bfloat16 / float16 x, 3 for float32: within 2^-16 / 2^-23 of each group's largest
 |x|) and multiplied in int32, the weight's values untouched. The torch path (:mod:`tokenmill.layers.packed_int`) stays the reference it is
-tested against, and runs wherever the kernel does not (another device, no AVX-512, no compiler,
-2-bit values).
+tested against, and runs wherever the kernel does not (another device, neither AVX-512 nor AVX2, no
+compiler, 2-bit values).
 
 The kernel lives in core, beside the torch path it replaces, rather than in one of the plugins
 (a plugin may not import another's package) or in the CPU platform (whose kernels are built for
@@ -92,7 +92,7 @@ def pack_for_cpu(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_i
 def cpu_packed_int_linear(x: torch.Tensor, weights: CpuPackedInt) -> torch.Tensor:
     """``x @ W (+ bias)`` for ``x`` ``[..., K]`` by the kernel, in ``x``'s dtype."""
     if not packed_int_kernel_runs():  # (cached) loading the kernel registers its op
-        raise RuntimeError("the packed-int CPU kernel does not run here (no AVX-512 F/BW/VL, or no compiler)")
+        raise RuntimeError("the packed-int CPU kernel does not run here (neither AVX-512 F/BW/VL nor AVX2, or no compiler)")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.tokenmill_packed_int.packed_int_linear(rows, weights.packed, weights.scales, weights.zeros,
                                                            weights.x_index, weights.group_start, weights.bits,
@@ -106,13 +106,14 @@ def cpu_packed_int_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     torch path runs); which of the two runs is logged once per method and reason."""
     reason = _refusal(q, zeros, bits)
     if reason is None and not packed_int_kernel_runs():
-        reason = "the AVX-512 kernel does not run here (see the log line above)"
+        reason = "the kernel does not run here (see the log line above)"
     if reason is not None:
         _chosen(method, f"torch reference: dequantise, then matmul ({reason})")
         return None
     decode = ("up to 8 rows of x as int8 planes times the values by AVX512_VNNI" if packed_int_integer_decode()
               else "no AVX512_VNNI: decode rows too")
-    _chosen(method, f"the AVX-512 packed-int kernel ({bits}-bit values dequantised in registers; {decode})")
+    _chosen(method, f"the packed-int kernel, {packed_int_kernel_isa()} ({bits}-bit values dequantised in registers; "
+                    f"{decode})")
     return pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
 
 
@@ -137,6 +138,13 @@ def packed_int_kernel_runs() -> bool:
     return _kernel() is not None
 
 
+def packed_int_kernel_isa() -> str:
+    """The instruction set the kernel was built for (``"avx512+vnni"``, ``"avx2"``, ...; ``"none"``
+    where it does not run)."""
+    module = _kernel()
+    return "none" if module is None else str(module.isa())
+
+
 def packed_int_integer_decode() -> bool:
     """Whether the kernel has its integer decode path (AVX512_VNNI): up to 8 rows of x staged as
     int8 planes and multiplied by vpdpbusd, rather than the float path's dequantised values."""
@@ -148,4 +156,4 @@ def packed_int_integer_decode() -> bool:
 def _kernel() -> ModuleType | None:
     return optional_native_extension(MODULE_NAME, "packed-int", [SOURCE], CFLAGS, "packed-int CPU kernel",
                                      fallback="the torch path of GPTQ/AWQ/compressed-tensors int layers",
-                                     needs="AVX-512 F/BW/VL")
+                                     needs="AVX-512 F/BW/VL or AVX2")

@@ -1,5 +1,5 @@
 // The grouped weight-only int linear layer (GPTQ, AWQ, compressed-tensors' pack-quantized) on a
-// CPU with AVX-512: y[M, N] = x[M, K] @ W (+ bias), W[k, n] = scale[g, n] * (q[k, n] - zero[g, n]),
+// CPU with AVX-512 (or AVX2: the float path on 8-lane vectors, its section below says how): y[M, N] = x[M, K] @ W (+ bias), W[k, n] = scale[g, n] * (q[k, n] - zero[g, n]),
 // g the group of input k, computed from the packed 4- or 8-bit values without ever writing W out.
 //
 // The layout (written once at load by tokenmill/layers/packed_int_cpu.py):
@@ -49,6 +49,12 @@
 #if defined(__AVX512VNNI__)
 #define TOKENMILL_PACKED_INT_VNNI 1  // decode rows: int8 planes of x times the unsigned values by vpdpbusd
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_PACKED_INT_AVX2 1  // an AVX2-only CPU: the float path on 8-lane vectors (below)
+#endif
+#if defined(TOKENMILL_PACKED_INT_AVX512) || defined(TOKENMILL_PACKED_INT_AVX2)
+#define TOKENMILL_PACKED_INT_KERNEL 1
 #endif
 
 namespace {
@@ -57,8 +63,7 @@ constexpr int64_t kTileCols = 16;
 constexpr int64_t kPositionAlign = 8;  // group_start's unit: whole blocks of 4-bit (and 8-bit) values
 constexpr int kMaxRows = 8;            // rows of x sharing one pass over a tile's weights
 
-#if defined(TOKENMILL_PACKED_INT_AVX512)
-
+#if defined(TOKENMILL_PACKED_INT_KERNEL)
 constexpr int32_t kMagic = 0x4B000000;  // the float 2^23: its low 23 bits hold an integer exactly
 
 struct Operands {
@@ -71,6 +76,36 @@ struct Operands {
   float* y;                    // [M, N]
   int64_t groups, kp, n, padded_n;
 };
+
+// x[m, x_index[p]] (0 where x_index[p] < 0) as Out (float32, or bfloat16 from bfloat16) into staged[m, p].
+template <typename In, typename Out>
+void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out* staged) {
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  const int64_t m = x.size(0), k = x.size(1);
+  tokenmill::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const In* in = xp + row * k;
+      Out* out = staged + row * kp;
+      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<Out>(in[x_index[p]]) : Out(0.0f);
+    }
+  });
+}
+
+// Decode's few rows' staged x, planes, sums and float32 result live in buffers the calling thread
+// keeps (grow-only, and small: 8 rows at most), so that the many small layers of a
+// decode step allocate nothing.
+enum DecodeSlot { kStagedSlot, kPlanesSlot, kSumsSlot, kResultSlot, kDecodeSlots };
+
+float* decode_scratch(DecodeSlot slot, int64_t floats) {
+  static thread_local std::vector<float> buffers[kDecodeSlots];
+  auto& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+#endif  // TOKENMILL_PACKED_INT_KERNEL
+
+#if defined(TOKENMILL_PACKED_INT_AVX512)
 
 // Every path's epilogue: rows m0 .. m0 + Rows of one tile's 16 outputs, plus the bias, into y
 // (the last tile's padding columns masked off).
@@ -257,32 +292,6 @@ void product(const Operands& op, int64_t m) {
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         rows_of_tile<Bits, Bf16>(op, tile, m0, std::min<int64_t>(kMaxRows, m - m0));
   });
-}
-
-// x[m, x_index[p]] (0 where x_index[p] < 0) as Out (float32, or bfloat16 from bfloat16) into staged[m, p].
-template <typename In, typename Out>
-void stage_rows(const torch::Tensor& x, const int32_t* x_index, int64_t kp, Out* staged) {
-  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
-  const int64_t m = x.size(0), k = x.size(1);
-  tokenmill::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(kp, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const In* in = xp + row * k;
-      Out* out = staged + row * kp;
-      for (int64_t p = 0; p < kp; ++p) out[p] = x_index[p] >= 0 ? static_cast<Out>(in[x_index[p]]) : Out(0.0f);
-    }
-  });
-}
-
-// Decode's few rows' staged x, planes, sums and float32 result live in buffers the calling thread
-// keeps (grow-only, and small: 8 rows at most), so that the many small layers of a
-// decode step allocate nothing.
-enum DecodeSlot { kStagedSlot, kPlanesSlot, kSumsSlot, kResultSlot, kDecodeSlots };
-
-float* decode_scratch(DecodeSlot slot, int64_t floats) {
-  static thread_local std::vector<float> buffers[kDecodeSlots];
-  auto& buffer = buffers[slot];
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer.data();
 }
 
 #if defined(TOKENMILL_PACKED_INT_VNNI)
@@ -507,6 +516,208 @@ void round_into(const float* y, torch::Tensor& out) {
 
 #endif  // TOKENMILL_PACKED_INT_AVX512
 
+#if defined(TOKENMILL_PACKED_INT_AVX2)
+// The AVX2 body (an AVX2-only CPU): the AVX-512 body's float path on 8-lane vectors, a tile's 16
+// outputs two of them (V16), values made floats by the same 2^23 trick (an and and an or where
+// AVX-512 has one ternary op). With 16 registers a pass over a tile takes at most kAvx2Rows rows
+// of x (8 registers of sums; fewer rows keep kAvx2Chains / rows independent sums each, as the
+// AVX-512 body does); the sums across groups wait in memory (a load and a store per group). From
+// kAvx2DequantiseFrom rows of x on (prefill chunks, large batches) each tile is dequantised once
+// into float32 [K_p][16] that every kFloatPassRows rows then read, as the CPU platform's panels
+// are read, instead of its values being unpacked again for every few rows. No integer decode
+// path: vpmaddubsw (AVX2's unsigned-by-signed byte product) would multiply 4-bit values exactly,
+// 8-bit ones would saturate its int16 pairs.
+
+struct V16 {
+  __m256 lo, hi;  // outputs 0-7, 8-15 of a tile
+};
+
+constexpr int kAvx2Rows = 4;
+constexpr int kAvx2Chains = 4;
+constexpr int kFloatPassRows = 6;             // rows of x per pass over a dequantised tile: 12 registers of sums
+constexpr int64_t kAvx2DequantiseFrom = 8;    // rows of x from which a tile is dequantised once
+
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+
+// Value row `Row` of 8 words minus their zeros, as 8 float32 (exact small integers).
+template <int Bits, int Row>
+inline __m256 value_row8(__m256i words, __m256 zero) {
+  const __m256i shifted = Row == 0 ? words : _mm256_srli_epi32(words, Bits * Row);
+  const __m256i q = _mm256_or_si256(_mm256_and_si256(shifted, _mm256_set1_epi32((1 << Bits) - 1)),
+                                    _mm256_set1_epi32(kMagic));  // the float 2^23 + q
+  return _mm256_sub_ps(_mm256_castsi256_ps(q), zero);
+}
+
+inline void multiply_add(V16& acc, const V16& w, __m256 x) {
+  acc.lo = _mm256_fmadd_ps(w.lo, x, acc.lo);
+  acc.hi = _mm256_fmadd_ps(w.hi, x, acc.hi);
+}
+
+// acc[Row % Chains][r] += value row `Row` * x[r][k + Row], for each of the Rows rows of x.
+template <int Bits, int Rows, int Chains, int Row>
+inline void multiply_row8(V16 (&acc)[Chains][Rows], __m256i lo, __m256i hi, const V16& zero, const float* const* x,
+                          int64_t k) {
+  const V16 w{value_row8<Bits, Row>(lo, zero.lo), value_row8<Bits, Row>(hi, zero.hi)};
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) multiply_add(acc[Row % Chains][r], w, _mm256_broadcast_ss(x[r] + k + Row));
+}
+
+template <int Bits, int Rows, int Chains, int... Row>
+inline void multiply_block8(V16 (&acc)[Chains][Rows], __m256i lo, __m256i hi, const V16& zero, const float* const* x,
+                            int64_t k, std::integer_sequence<int, Row...>) {
+  (multiply_row8<Bits, Rows, Chains, Row>(acc, lo, hi, zero, x, k), ...);
+}
+
+// out[r] += sums[r] * the group's scales, out in memory ([Rows][16] floats).
+template <int Rows>
+inline void add_scaled(float (&out)[Rows][kTileCols], const V16 (&sums)[Rows], const V16& scale) {
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_ps(out[r], _mm256_fmadd_ps(sums[r].lo, scale.lo, _mm256_loadu_ps(out[r])));
+    _mm256_storeu_ps(out[r] + 8, _mm256_fmadd_ps(sums[r].hi, scale.hi, _mm256_loadu_ps(out[r] + 8)));
+  }
+}
+
+// Rows m0 .. m0 + Rows of one tile's outputs, plus the bias, into y (the padding columns dropped).
+template <int Rows>
+void store_tile_rows8(const Operands& op, const float (&out)[Rows][kTileCols], int64_t tile, int64_t m0) {
+  const int64_t n0 = tile * kTileCols, cols = std::min(kTileCols, op.n - n0);
+  for (int r = 0; r < Rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      op.y[(m0 + r) * op.n + n0 + j] = out[r][j] + (op.bias != nullptr ? op.bias[n0 + j] : 0.f);
+}
+
+// y[m0 .. m0 + Rows, the tile's columns) for one tile, its values unpacked as they are read.
+template <int Bits, int Rows>
+__attribute__((noinline)) void tile_rows8(const Operands& op, int64_t tile, int64_t m0) {
+  constexpr int rows_per_block = 32 / Bits, chains = Rows >= kAvx2Chains ? 1 : kAvx2Chains / Rows;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  const float* x[Rows];
+  for (int r = 0; r < Rows; ++r) x[r] = static_cast<const float*>(op.x) + (m0 + r) * op.kp;
+  float out[Rows][kTileCols] = {};
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
+    if (k0 == k1) continue;
+    const float* zeros = op.zeros + g * op.padded_n + tile * kTileCols;
+    const V16 zero = load16(zeros);
+    V16 acc[chains][Rows];
+#pragma GCC unroll 8
+    for (int c = 0; c < chains; ++c)
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) acc[c][r] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = k0; k < k1; k += rows_per_block) {
+      const int32_t* words = blocks + (k / rows_per_block) * kTileCols;
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 8));
+      multiply_block8<Bits, Rows, chains>(acc, lo, hi, zero, x, k, std::make_integer_sequence<int, rows_per_block>{});
+    }
+#pragma GCC unroll 8
+    for (int c = 1; c < chains; ++c)
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        acc[0][r].lo = _mm256_add_ps(acc[0][r].lo, acc[c][r].lo);
+        acc[0][r].hi = _mm256_add_ps(acc[0][r].hi, acc[c][r].hi);
+      }
+    add_scaled<Rows>(out, acc[0], load16(op.scales + g * op.padded_n + tile * kTileCols));
+  }
+  store_tile_rows8<Rows>(op, out, tile, m0);
+}
+
+template <int Bits, int... Row>
+inline void store_value_rows(__m256i lo, __m256i hi, const V16& zero, float* w, std::integer_sequence<int, Row...>) {
+  ((_mm256_storeu_ps(w + Row * kTileCols, value_row8<Bits, Row>(lo, zero.lo)),
+    _mm256_storeu_ps(w + Row * kTileCols + 8, value_row8<Bits, Row>(hi, zero.hi))), ...);
+}
+
+// One tile's values minus their zeros, as float32 [K_p][16] (the scales applied per group later).
+template <int Bits>
+void dequantise_tile8(const Operands& op, int64_t tile, float* w) {
+  constexpr int rows_per_block = 32 / Bits;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / rows_per_block;
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const V16 zero = load16(op.zeros + g * op.padded_n + tile * kTileCols);
+    for (int64_t k = op.group_start[g]; k < op.group_start[g + 1]; k += rows_per_block) {
+      const int32_t* words = blocks + (k / rows_per_block) * kTileCols;
+      store_value_rows<Bits>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 8)), zero, w + k * kTileCols,
+                             std::make_integer_sequence<int, rows_per_block>{});
+    }
+  }
+}
+
+// y[m0 .. m0 + Rows, the tile's columns) from the tile dequantised by dequantise_tile8.
+template <int Rows>
+__attribute__((noinline)) void tile_rows_from_floats(const Operands& op, const float* w, int64_t tile, int64_t m0) {
+  const float* x[Rows];
+  for (int r = 0; r < Rows; ++r) x[r] = static_cast<const float*>(op.x) + (m0 + r) * op.kp;
+  float out[Rows][kTileCols] = {};
+  for (int64_t g = 0; g < op.groups; ++g) {
+    V16 acc[Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) acc[r] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = op.group_start[g]; k < op.group_start[g + 1]; ++k) {
+      const V16 values = load16(w + k * kTileCols);
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) multiply_add(acc[r], values, _mm256_broadcast_ss(x[r] + k));
+    }
+    add_scaled<Rows>(out, acc, load16(op.scales + g * op.padded_n + tile * kTileCols));
+  }
+  store_tile_rows8<Rows>(op, out, tile, m0);
+}
+
+template <int Bits>
+void rows_of_tile8(const Operands& op, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile_rows8<Bits, 1>(op, tile, m0);
+    case 2: return tile_rows8<Bits, 2>(op, tile, m0);
+    case 3: return tile_rows8<Bits, 3>(op, tile, m0);
+    default: return tile_rows8<Bits, 4>(op, tile, m0);
+  }
+}
+
+void rows_from_floats(const Operands& op, const float* w, int64_t tile, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile_rows_from_floats<1>(op, w, tile, m0);
+    case 2: return tile_rows_from_floats<2>(op, w, tile, m0);
+    case 3: return tile_rows_from_floats<3>(op, w, tile, m0);
+    case 4: return tile_rows_from_floats<4>(op, w, tile, m0);
+    case 5: return tile_rows_from_floats<5>(op, w, tile, m0);
+    default: return tile_rows_from_floats<6>(op, w, tile, m0);
+  }
+}
+
+template <int Bits>
+void product8(const Operands& op, int64_t m) {
+  const int64_t tiles = op.padded_n / kTileCols;
+  tokenmill::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    if (m >= kAvx2DequantiseFrom) {
+      std::vector<float> w(static_cast<size_t>(op.kp * kTileCols));
+      for (int64_t tile = begin; tile < end; ++tile) {
+        dequantise_tile8<Bits>(op, tile, w.data());
+        for (int64_t m0 = 0; m0 < m; m0 += kFloatPassRows)
+          rows_from_floats(op, w.data(), tile, m0, std::min<int64_t>(kFloatPassRows, m - m0));
+      }
+      return;
+    }
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m0 = 0; m0 < m; m0 += kAvx2Rows) rows_of_tile8<Bits>(op, tile, m0, std::min<int64_t>(kAvx2Rows, m - m0));
+  });
+}
+
+// The float32 result into out's bfloat16 / float16, rounded to nearest even (c10's conversions, as
+// Tensor.copy_ rounds; a NaN stays a NaN).
+void round_into(const float* y, torch::Tensor& out) {
+  const int64_t count = out.numel();
+  if (out.scalar_type() == torch::kBFloat16) {
+    auto* o = out.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<c10::BFloat16>(y[i]);
+  } else {
+    auto* o = out.data_ptr<c10::Half>();
+    for (int64_t i = 0; i < count; ++i) o[i] = static_cast<c10::Half>(y[i]);
+  }
+}
+#endif  // TOKENMILL_PACKED_INT_AVX2
+
 void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                     const torch::Tensor& zeros, const torch::Tensor& x_index, const torch::Tensor& group_start,
                     int64_t bits, int64_t n, const c10::optional<torch::Tensor>& bias) {
@@ -607,8 +818,29 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
     }
   }
   if (!in_place) round_into(y, out);
+#elif defined(TOKENMILL_PACKED_INT_AVX2)
+  const int64_t m = x.size(0), kp = x_index.size(0);
+  if (m == 0 || out_features == 0) return out;
+  const int32_t* index = x_index.data_ptr<int32_t>();
+  auto staged = torch::empty({m, kp}, x.options().dtype(torch::kFloat32));
+  float* staged_ptr = staged.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat32) {
+    stage_rows<float, float>(x, index, kp, staged_ptr);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    stage_rows<c10::BFloat16, float>(x, index, kp, staged_ptr);
+  } else {
+    stage_rows<c10::Half, float>(x, index, kp, staged_ptr);
+  }
+  const bool in_place = out.scalar_type() == torch::kFloat32;
+  torch::Tensor y_tensor = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+  const Operands op{staged_ptr, packed.data_ptr<int32_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(),
+                    group_start.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                    y_tensor.data_ptr<float>(), group_start.size(0) - 1, kp, out_features, scales.size(1)};
+  bits == 4 ? product8<4>(op, m) : product8<8>(op, m);
+  if (!in_place) round_into(y_tensor.data_ptr<float>(), out);
 #else
-  TORCH_CHECK(false, "packed_int_linear: this build has no AVX-512 kernel (isa() is 'none')");
+  TORCH_CHECK(false, "packed_int_linear: this build has no vector kernel: the CPU has neither AVX-512 F/BW/VL nor AVX2 "
+                     "(isa() is 'none')");
 #endif
   return out;
 }
@@ -631,6 +863,8 @@ std::string isa() {
   return "avx512_bf16";
 #elif defined(TOKENMILL_PACKED_INT_AVX512)
   return "avx512";
+#elif defined(TOKENMILL_PACKED_INT_AVX2)
+  return "avx2";
 #else
   return "none";
 #endif
@@ -653,5 +887,5 @@ TORCH_LIBRARY_IMPL(tokenmill_packed_int, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "the instruction set the kernel was built for ('none': no AVX-512 F/BW/VL)");
+  m.def("isa", &isa, "the instruction set the kernel was built for ('none': neither AVX-512 F/BW/VL nor AVX2)");
 }
