@@ -68,7 +68,8 @@ def test_the_test_k_quantizer_packs_what_the_gguf_package_unpacks(qtype: GGMLQua
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 7, 9, 64])  # 9: a tile of 8 rows, then one (Q8_0's one-row loop) in the same call
+# 9: a tile of 8 rows, then one (the one-row loop) in the same call; 5, 6, 7: the AVX2 loops' 4 rows, then 1, 2, 3
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 9, 64])
 @pytest.mark.parametrize(("n", "blocks"), [(37, 13), (5, 1), (130, 3)])
 @requires_kernel
 def test_kernel_matches_the_torch_reference(qtype: GGMLQuantizationType, m: int, n: int, blocks: int) -> None:
@@ -101,7 +102,9 @@ def test_every_type_takes_the_avx512_path_on_a_cpu_that_has_it() -> None:
     paths = {qtype.name: KERNEL.kernel_path(int(qtype)) for qtype in TYPES}
     if "avx512f" not in flags:
         assert "avx512" not in paths.values(), paths
-        pytest.skip("no AVX-512 here: the portable and generic loops run (and are tested above)")
+        if {"avx2", "fma", "f16c"} <= flags:  # the legacy types' AVX2 loops; Q5 and the K-quants portable
+            assert {paths[name] for name in ("Q4_0", "Q4_1", "Q8_0")} == {"avx2"}, paths
+        pytest.skip("no AVX-512 here: the AVX2, portable and generic loops run (and are tested above)")
     assert set(paths.values()) == {"avx512"}, paths
 
 

@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T with W in ggml's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-// Q6_K blocks as the file stores them: AVX-512 intrinsics where the build CPU has AVX-512,
-// else portable loops (which stay, for every type, as the reference the tests compare with).
+// Q6_K blocks as the file stores them: AVX-512 intrinsics where the build CPU has AVX-512 (AVX2
+// ones for Q4_0 / Q4_1 / Q8_0 on an AVX2-only CPU), else portable loops (which stay, for every
+// type, as the reference the tests compare with).
 //
 // Each block of 32 weights is dequantised in registers right before the multiply-adds that
 // use it, so the weight is read once, in its 4.5 / 5 / 8.5 bits per value, and no float copy
@@ -29,12 +30,13 @@
 #include <tokenmill/parallel.h>  // tokenmill::parallel_for: the platform's pool where one is published
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -146,6 +148,126 @@ void dot_tile(const float* x, int64_t ldx, int64_t rows, const uint8_t* wrow, in
   for (int r = 0; r < rows; ++r) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (an AVX2-only CPU): the AVX-512 path's loops on 8-lane vectors. A block's 32 quants become
+// four vectors of float32 (Q4_0: nibble - 8 in bytes first; Q4_1 the nibble, its min added through
+// the sum of x; Q8_0 the byte); one row of x takes d * (q . x) a block, two blocks' sums in flight
+// (the AVX-512 Q8_0 row's form, for every type: one FMA by d a block instead of four multiplies);
+// more rows take the block dequantised once, (d * q + m), against up to four rows at a time
+// (8 registers of sums).
+
+constexpr int kAvx2Rows = 4;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// The block's 32 quants as four vectors of 8 floats, in the order of the block's values.
+template <int Type>
+inline void block_quants(const uint8_t* block, __m256 (&q)[4]) {
+  if constexpr (Type == Q8_0) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(block + 2 + 8 * i))));
+  } else {
+    const __m128i packed = _mm_loadu_si128((const __m128i*)(block + (Type == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    if constexpr (Type == Q4_0) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+// acc += d * (q . x) (+ m * sum x) for block b of one weight row and one row of x.
+template <int Type>
+inline __m256 add_block(const float* x, const uint8_t* block, __m256 acc) {
+  __m256 q[4];
+  block_quants<Type>(block, q);
+  const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+               x3 = _mm256_loadu_ps(x + 24);
+  const __m256 dot = _mm256_add_ps(_mm256_fmadd_ps(q[2], x2, _mm256_mul_ps(q[0], x0)),
+                                   _mm256_fmadd_ps(q[3], x3, _mm256_mul_ps(q[1], x1)));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(block)), dot, acc);
+  if constexpr (Type == Q4_1)
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(block + 2)),
+                          _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)), acc);
+  return acc;
+}
+
+template <int Type>
+inline float dot_row(const float* x, const uint8_t* wrow, int64_t blocks) {
+  constexpr int bytes = Type == Q8_0 ? 34 : (Type == Q4_1 ? 20 : 18);
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    even = add_block<Type>(x + b * kBlock, wrow + b * bytes, even);
+    odd = add_block<Type>(x + (b + 1) * kBlock, wrow + (b + 1) * bytes, odd);
+  }
+  if (b < blocks) even = add_block<Type>(x + b * kBlock, wrow + b * bytes, even);
+  return reduce_add8(_mm256_add_ps(even, odd));
+}
+
+// y[r * ldy] for R rows of x: each block dequantised once for the R rows.
+template <int Type, int R>
+void dot_rows(const float* x, int64_t ldx, const uint8_t* wrow, int64_t blocks, float* y, int64_t ldy) {
+  constexpr int bytes = Type == Q8_0 ? 34 : (Type == Q4_1 ? 20 : 18);
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = wrow + b * bytes;
+    __m256 w[4];
+    block_quants<Type>(block, w);
+    const __m256 d = _mm256_set1_ps(half_to_float(block));
+    const __m256 m = _mm256_set1_ps(Type == Q4_1 ? half_to_float(block + 2) : 0.f);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) w[i] = Type == Q4_1 ? _mm256_fmadd_ps(d, w[i], m) : _mm256_mul_ps(d, w[i]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * kBlock;
+      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r * ldy] = reduce_add8(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+// y[m, n] for rows m0 .. m0 + rows of x and one weight row.
+template <int Type>
+void dot_tile(const float* x, int64_t ldx, int64_t rows, const uint8_t* wrow, int64_t blocks, float* y, int64_t ldy) {
+  if (rows == 1) {
+    y[0] = dot_row<Type>(x, wrow, blocks);
+    return;
+  }
+  for (int64_t r = 0; r < rows; r += kAvx2Rows) {
+    const float* xr = x + r * ldx;
+    float* yr = y + r * ldy;
+    switch (std::min<int64_t>(kAvx2Rows, rows - r)) {
+      case 1: dot_rows<Type, 1>(xr, ldx, wrow, blocks, yr, ldy); break;
+      case 2: dot_rows<Type, 2>(xr, ldx, wrow, blocks, yr, ldy); break;
+      case 3: dot_rows<Type, 3>(xr, ldx, wrow, blocks, yr, ldy); break;
+      default: dot_rows<Type, 4>(xr, ldx, wrow, blocks, yr, ldy); break;
+    }
+  }
+}
+const char* kIsa = "avx2";
 #else
 // Portable: the block into 32 floats on the stack (the compiler vectorises both loops).
 template <int Type>
@@ -687,8 +809,8 @@ torch::Tensor embedding_op(const torch::Tensor& qweight, const torch::Tensor& id
 }
 
 // The loop that multiplies `type` with these activations: "avx512_vnni" (quantised activations,
-// integer dot products), "avx512" (float intrinsics), "generic C++" (Q4_0 / Q4_1 / Q8_0 without
-// AVX-512) or "portable" for `rows` rows of x, or from kGemmRows rows on "dequantize + gemm" (every
+// integer dot products), "avx512" (float intrinsics), "avx2" (Q4_0 / Q4_1 / Q8_0 on an AVX2-only CPU),
+// "generic C++" (the same without either) or "portable" for `rows` rows of x, or from kGemmRows rows on "dequantize + gemm" (every
 // type and mode). The float path's Q4_0 / Q4_1 take the portable loop from kLegacyPortableRows rows on.
 std::string kernel_path(int64_t type, const std::string& activations, int64_t rows) {
   TORCH_CHECK(block_bytes(static_cast<int>(type)) > 0, "kernel_path: ggml type ", type, " has no kernel");
