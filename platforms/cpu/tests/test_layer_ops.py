@@ -233,3 +233,8 @@ def test_matmul_kernels_have_the_vector_bodies_this_cpu_supports():
     avx2_build = kernel_isa().split()[0] == "avx2"
     expected_packed = {"float32", "bfloat16"} if vector and avx2_build else {"float32"} if vector else set()
     assert set(load_kernels().packed_linear_dtypes()) == expected_packed
+    # the grouped MoE kernel: AVX-512 float32 (bfloat16 with AVX512-BF16), or both in an AVX2 build
+    level, native = kernel_isa().split()[0], kernel_isa().endswith("(native)")
+    moe_bf16 = level in ("avx2", "avx512_bf16") or (native and {"avx512_bf16", "avx512bw"} <= flags)
+    expected_moe = ({"float32", "bfloat16"} if moe_bf16 else {"float32"}) if vector else set()
+    assert set(load_kernels().grouped_moe_dtypes()) == expected_moe

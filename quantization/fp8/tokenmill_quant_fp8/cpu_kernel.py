@@ -2,8 +2,8 @@
 
 Without FP8 dot products on this CPU, ``torch._scaled_mm`` (and the reference that dequantises
 every call) widen the whole weight on every forward. The kernel instead reads the checkpoint's
-own ``[N, K]`` float8 bytes, widens 16 at a time in registers (e4m3 through float16 and
-``vcvtph2ps``, e5m2 as float16's high byte) and multiplies them with float32 activations: the
+own ``[N, K]`` float8 bytes, widens 16 (AVX2: 8) at a time in registers (e4m3 through float16
+and ``vcvtph2ps``, e5m2 as float16's high byte) and multiplies them with float32 activations: the
 weight stays one byte a value and nothing the size of the weight is written per call.
 
 Activations are not quantized on this path (weight-only): quantizing them to e4m3 would only
@@ -48,7 +48,7 @@ def load_fp8_cpu_kernel() -> ModuleType | None:
     torch's tracers)."""
     module = optional_native_extension(MODULE_NAME, "fp8", [SOURCE], CFLAGS, "FP8 weight-only CPU kernel",
                                        fallback="the torch path (torch._scaled_mm or the reference)",
-                                       needs="AVX-512 F/BW/VL")
+                                       needs="AVX-512 F/BW/VL or AVX2 with F16C")
     if module is not None:
         torch.library.register_fake("tokenmill_fp8::fp8_linear")(_fake_fp8_linear)
     return module
@@ -93,7 +93,7 @@ def fp8_cpu_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, 
     """``x @ (fp8 weight * scales).T (+ bias)`` by the kernel, for a 2-d ``x``, in ``x``'s dtype
     (``scales`` float32 ``[N, ceil(K / group_size)]``, ``bias`` float32 or None)."""
     if load_fp8_cpu_kernel() is None:  # (cached) loading the kernel registers its op
-        raise RuntimeError("the FP8 CPU kernel does not run here (no AVX-512 F/BW/VL, or no compiler)")
+        raise RuntimeError("the FP8 CPU kernel does not run here (neither AVX-512 F/BW/VL nor AVX2, or no compiler)")
     return torch.ops.tokenmill_fp8.fp8_linear(x.contiguous(), weight, scales, group_size, bias)
 
 

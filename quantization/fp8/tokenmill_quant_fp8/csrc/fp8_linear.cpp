@@ -1,4 +1,5 @@
-// The FP8 weight-only linear layer on a CPU with AVX-512: y[M, N] = x[M, K] @ W^T (+ bias),
+// The FP8 weight-only linear layer on a CPU with AVX-512 (or AVX2 with F16C: the same widening and
+// sums on 8-lane vectors, in the section below): y[M, N] = x[M, K] @ W^T (+ bias),
 // W[n, k] = fp8(weight[n, k]) * scales[n, k / group_size], from the checkpoint's own [N, K]
 // float8_e4m3fn (or float8_e5m2) bytes: the weight stays one byte a value in memory and is widened
 // in registers, 16 values at a time, never written out as floats.
@@ -29,11 +30,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENMILL_FP8_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_FP8_AVX2 1
+#endif
+#if defined(TOKENMILL_FP8_AVX512) || defined(TOKENMILL_FP8_AVX2)
+#define TOKENMILL_FP8_KERNEL 1
 #endif
 
 namespace {
@@ -42,8 +50,7 @@ constexpr int64_t kPanel = 8;  // output rows one task of the thread pool comput
 constexpr int kMaxRows = 3;    // rows of x sharing one pass over the widened weights
 constexpr int64_t kPrefetchRows = 4 * kPanel;  // how far ahead (in weight rows) the loads are prefetched
 
-#if defined(TOKENMILL_FP8_AVX512)
-
+#if defined(TOKENMILL_FP8_KERNEL)
 struct Operands {
   const float* x;        // [M, K]
   const uint8_t* w;      // [N, K] fp8 codes
@@ -53,6 +60,9 @@ struct Operands {
   int64_t m, k, n, groups, group_size;
   float unit;            // what the widened value is multiplied by: 2^8 for e4m3, 1 for e5m2
 };
+#endif
+
+#if defined(TOKENMILL_FP8_AVX512)
 
 // 16 fp8 codes as 16 float32 (an e4m3 value times 2^-8, an e5m2 value exactly).
 template <bool E4M3>
@@ -153,6 +163,140 @@ void panel(const Operands& op, int64_t n0) {
   }
 }
 
+#elif defined(TOKENMILL_FP8_AVX2)
+// AVX2 (an AVX2-only CPU with F16C): the AVX-512 body's widening on 16-bit lanes of a 256-bit
+// register, vcvtph2ps 8 values at a time. With 16 registers a row of x runs against 8 weight rows
+// (8 sums, 2 registers of x a 16-value step), 2 rows against 4 (8 sums, 8-value steps); each
+// group's sums are reduced and scaled into float totals (the AVX-512 body keeps them as vectors).
+
+constexpr int kAvx2Rows = 2;  // rows of x sharing one pass over 4 widened weight rows
+
+inline __m256 widen_halves(__m128i halves) { return _mm256_cvtph_ps(halves); }
+
+// 16 fp8 codes as float16 bits in 16-bit lanes (e4m3: its value times 2^-8).
+template <bool E4M3>
+inline __m256i as_halves(__m128i codes) {
+  if constexpr (E4M3) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  } else {
+    return _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8);
+  }
+}
+
+// 16 codes as two registers of 8 float32.
+template <bool E4M3>
+inline void widen16(const uint8_t* w, __m256& lo, __m256& hi) {
+  const __m256i halves = as_halves<E4M3>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  lo = widen_halves(_mm256_castsi256_si128(halves));
+  hi = widen_halves(_mm256_extracti128_si256(halves, 1));
+}
+
+// 8 codes (the low 8 bytes) as 8 float32.
+template <bool E4M3>
+inline __m256 widen8(__m128i codes) {
+  return widen_halves(_mm256_castsi256_si128(as_halves<E4M3>(codes)));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+// Up to 8 codes (zeros past `left`) without reading past them.
+inline __m128i load_codes(const uint8_t* w, int64_t left) {
+  if (left >= 8) return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  alignas(16) uint8_t part[16] = {};
+  std::memcpy(part, w, static_cast<size_t>(left));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+}
+
+// Up to 8 float32 of x (zeros past `left`).
+inline __m256 load_x(const float* x, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(x);
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(x, lanes);
+}
+
+// y[m0 .. m0 + Rows, n0 .. n0 + Outs) (the rows past N are computed on the last row, not stored).
+template <bool E4M3, int Outs, int Rows>
+void block(const Operands& op, int64_t n0, int64_t m0) {
+  const uint8_t* w[Outs];
+  const float* scale_row[Outs];
+  for (int i = 0; i < Outs; ++i) {
+    const int64_t row = std::min(n0 + i, op.n - 1);
+    w[i] = op.w + row * op.k;
+    scale_row[i] = op.scales + row * op.groups;
+  }
+  const float* x[Rows];
+  for (int r = 0; r < Rows; ++r) x[r] = op.x + (m0 + r) * op.k;
+  const int64_t ahead = kPrefetchRows * op.k;
+  float total[Outs][Rows] = {};
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = g * op.group_size, k1 = std::min(op.k, k0 + op.group_size);
+    __m256 acc[Outs][Rows];
+#pragma GCC unroll 8
+    for (int i = 0; i < Outs; ++i)
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) acc[i][r] = _mm256_setzero_ps();
+    int64_t k = k0;
+    if constexpr (Rows == 1) {
+      for (; k + 16 <= k1; k += 16) {  // 16 codes of each weight row widened at once
+        const __m256 xlo = _mm256_loadu_ps(x[0] + k), xhi = _mm256_loadu_ps(x[0] + k + 8);
+        if ((k & 63) == 0) {
+#pragma GCC unroll 8
+          for (int i = 0; i < Outs; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead + k), _MM_HINT_T1);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < Outs; ++i) {
+          __m256 lo, hi;
+          widen16<E4M3>(w[i] + k, lo, hi);
+          acc[i][0] = _mm256_fmadd_ps(hi, xhi, _mm256_fmadd_ps(lo, xlo, acc[i][0]));
+        }
+      }
+    }
+    for (; k < k1; k += 8) {
+      const int64_t left = k1 - k;
+      __m256 xv[Rows];
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) xv[r] = load_x(x[r] + k, left);
+      if (Rows > 1 && (k & 63) == 0) {
+#pragma GCC unroll 8
+        for (int i = 0; i < Outs; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead + k), _MM_HINT_T1);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < Outs; ++i) {
+        const __m256 wv = widen8<E4M3>(load_codes(w[i] + k, left));
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) acc[i][r] = _mm256_fmadd_ps(wv, xv[r], acc[i][r]);
+      }
+    }
+    for (int i = 0; i < Outs; ++i)
+      for (int r = 0; r < Rows; ++r) total[i][r] += reduce_add8(acc[i][r]) * (scale_row[i][g] * op.unit);
+  }
+  const int outs = static_cast<int>(std::min<int64_t>(Outs, op.n - n0));
+  for (int i = 0; i < outs; ++i) {
+    const float bias = op.bias != nullptr ? op.bias[n0 + i] : 0.0f;
+    for (int r = 0; r < Rows; ++r) op.y[(m0 + r) * op.n + n0 + i] = total[i][r] + bias;
+  }
+}
+
+template <bool E4M3>
+void panel(const Operands& op, int64_t n0) {
+  for (int64_t m0 = 0; m0 < op.m;) {
+    const int64_t rows = std::min<int64_t>(kAvx2Rows, op.m - m0);
+    if (rows == 1) {
+      block<E4M3, 8, 1>(op, n0, m0);
+    } else {
+      for (int64_t n = n0; n < std::min(op.n, n0 + kPanel); n += 4) block<E4M3, 4, 2>(op, n, m0);
+    }
+    m0 += rows;
+  }
+}
+#endif
+
+#if defined(TOKENMILL_FP8_KERNEL)
 template <bool E4M3>
 void product(const Operands& op) {
   const int64_t panels = (op.n + kPanel - 1) / kPanel;
@@ -160,8 +304,7 @@ void product(const Operands& op) {
     for (int64_t p = begin; p < end; ++p) panel<E4M3>(op, p * kPanel);
   });
 }
-
-#endif  // TOKENMILL_FP8_AVX512
+#endif  // TOKENMILL_FP8_KERNEL
 
 void check_operands(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                     int64_t group_size, const c10::optional<torch::Tensor>& bias) {
@@ -192,7 +335,7 @@ torch::Tensor& fp8_linear_out(const torch::Tensor& x, const torch::Tensor& weigh
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.scalar_type() == x.scalar_type() &&
                   out.is_contiguous(),
               "fp8_linear: out must be a contiguous [", m, ", ", n, "] of x's dtype");
-#if defined(TOKENMILL_FP8_AVX512)
+#if defined(TOKENMILL_FP8_KERNEL)
   if (m == 0 || n == 0) return out;
   if (x.size(1) == 0) {
     bias.has_value() ? out.copy_(bias->unsqueeze(0).expand({m, n})) : out.zero_();
@@ -208,7 +351,8 @@ torch::Tensor& fp8_linear_out(const torch::Tensor& x, const torch::Tensor& weigh
   e4m3 ? product<true>(op) : product<false>(op);
   if (!in_place) out.copy_(y);  // round to nearest even into bfloat16 / float16
 #else
-  TORCH_CHECK(false, "fp8_linear: this build has no AVX-512 kernel (isa() is 'none')");
+  TORCH_CHECK(false, "fp8_linear: this build has no vector kernel: the CPU has neither AVX-512 F/BW/VL nor AVX2 "
+                     "with F16C (isa() is 'none')");
 #endif
   return out;
 }
@@ -223,6 +367,8 @@ torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& weight, co
 std::string isa() {
 #if defined(TOKENMILL_FP8_AVX512)
   return "avx512";
+#elif defined(TOKENMILL_FP8_AVX2)
+  return "avx2";
 #else
   return "none";
 #endif
@@ -244,5 +390,5 @@ TORCH_LIBRARY_IMPL(tokenmill_fp8, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "the instruction set the kernel was built for ('none': no AVX-512 F/BW/VL)");
+  m.def("isa", &isa, "the instruction set the kernel was built for ('none': neither AVX-512 F/BW/VL nor AVX2)");
 }
