@@ -461,3 +461,19 @@ def test_a_layer_skip_draft_of_a_damped_random_model(tmp_path: Path) -> None:
         assert torch.equal(big(ids).logits, small(ids).logits)
     result = runner.invoke(app, ["bench", "random-model", str(tmp_path / "x"), "--draft-of", str(target)])
     assert result.exit_code == 2 and "--num-hidden-layers" in result.output
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_a_benchmark_started_by_a_larger_process_reports_its_own_peak_memory():
+    """scripts/bench_quant.py runs each benchmark in a process of its own, started after it wrote a
+    checkpoint: the child's peak RSS is its own, not its parent's (which ru_maxrss carries over an exec)."""
+    parent = (
+        "import subprocess, sys\n"
+        "ballast = bytearray(400 << 20)\n"  # the parent's 400 MiB, touched
+        "for i in range(0, len(ballast), 4096): ballast[i] = 1\n"
+        "print(subprocess.run([sys.executable, '-c', 'from tokenmill_cli.bench.system import peak_rss_bytes; "
+        "print(peak_rss_bytes())'], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    child_peak = int(subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                                    check=True).stdout.split()[0])
+    assert child_peak < 200 << 20

@@ -14,7 +14,17 @@ _IMPORTED_AT = time.time()  # the fallback start time where /proc is missing
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size; ru_maxrss is KiB on Linux, bytes on macOS."""
+    """This process's peak resident set size since it started its program: ``VmHWM`` of
+    /proc/self/status where there is one, else ru_maxrss (KiB on Linux, bytes on macOS). Linux
+    carries ru_maxrss over an exec from the process that forked it, so a benchmark started by a
+    larger process (scripts/bench_quant.py after writing a checkpoint) reported that one's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
