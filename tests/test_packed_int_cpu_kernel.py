@@ -104,8 +104,9 @@ def test_the_kernel_is_the_dequantised_product(bits: int, group_size: int, order
             assert _relative_error(out, x.double() @ weight + bias.double()) <= bound
 
 
-def test_decode_rows_take_the_integer_path_where_the_cpu_has_vnni() -> None:
-    assert packed_int_integer_decode() == _cpu_has("avx512_vnni")
+def test_decode_rows_take_the_integer_path_where_the_cpu_has_vnni_or_avx2() -> None:
+    """AVX512_VNNI: 4- and 8-bit values; an AVX2 build (no AVX-512): 4-bit values by vpmaddubsw."""
+    assert packed_int_integer_decode() == (_cpu_has("avx512_vnni") or _expected_isa() == "avx2")
 
 
 def _largest_in_group(x: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ def _largest_in_group(x: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     return largest
 
 
-@pytest.mark.skipif(not _cpu_has("avx512_vnni"), reason="no AVX512_VNNI: decode rows take the float path")
+@pytest.mark.skipif(not packed_int_integer_decode(), reason="no integer decode path: decode rows take the float path")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("dtype", "planes"), [(torch.float32, 3), (torch.bfloat16, 2), (torch.float16, 2)], ids=str)
 def test_decode_rows_are_within_their_planes_rounding(bits: int, dtype: torch.dtype, planes: int) -> None:

@@ -10,7 +10,8 @@ columns in that order) and padded to a multiple of 8. The kernel dequantises in 
 multiplies in float32, so its output is the dequantised weight's product up to the order of
 the float32 sums; with AVX512_VNNI, up to 8 rows of x (decode) are instead rounded to int8
 planes (2 for bfloat16 / float16 x, 3 for float32: within 2^-16 / 2^-23 of each group's largest
-|x|) and multiplied in int32, the weight's values untouched. The torch path (:mod:`tokenmill.layers.packed_int`) stays the reference it is
+|x|) and multiplied in int32, the weight's values untouched (on AVX2, up to 4 rows of 4-bit values
+by vpmaddubsw, the same planes). The torch path (:mod:`tokenmill.layers.packed_int`) stays the reference it is
 tested against, and runs wherever the kernel does not (another device, neither AVX-512 nor AVX2, no
 compiler, 2-bit values).
 
@@ -110,8 +111,8 @@ def cpu_packed_int_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     if reason is not None:
         _chosen(method, f"torch reference: dequantise, then matmul ({reason})")
         return None
-    decode = ("up to 8 rows of x as int8 planes times the values by AVX512_VNNI" if packed_int_integer_decode()
-              else "no AVX512_VNNI: decode rows too")
+    decode = ("decode rows of x as int8 planes times the values in integers" if packed_int_integer_decode()
+              else "decode rows too")
     _chosen(method, f"the packed-int kernel, {packed_int_kernel_isa()} ({bits}-bit values dequantised in registers; "
                     f"{decode})")
     return pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
@@ -146,10 +147,11 @@ def packed_int_kernel_isa() -> str:
 
 
 def packed_int_integer_decode() -> bool:
-    """Whether the kernel has its integer decode path (AVX512_VNNI): up to 8 rows of x staged as
-    int8 planes and multiplied by vpdpbusd, rather than the float path's dequantised values."""
+    """Whether the kernel has its integer decode path: a few rows of x staged as int8 planes and
+    multiplied by vpdpbusd (AVX512_VNNI: up to 8 rows, 4- and 8-bit values) or vpmaddubsw (AVX2: up
+    to 4 rows, 4-bit values), rather than the float path's dequantised values."""
     module = _kernel()
-    return module is not None and "vnni" in module.isa()
+    return module is not None and ("vnni" in module.isa() or "int4" in module.isa())
 
 
 @functools.cache

@@ -524,9 +524,8 @@ void round_into(const float* y, torch::Tensor& out) {
 // AVX-512 body does); the sums across groups wait in memory (a load and a store per group). From
 // kAvx2DequantiseFrom rows of x on (prefill chunks, large batches) each tile is dequantised once
 // into float32 [K_p][16] that every kFloatPassRows rows then read, as the CPU platform's panels
-// are read, instead of its values being unpacked again for every few rows. No integer decode
-// path: vpmaddubsw (AVX2's unsigned-by-signed byte product) would multiply 4-bit values exactly,
-// 8-bit ones would saturate its int16 pairs.
+// are read, instead of its values being unpacked again for every few rows. Decode's few rows of
+// 4-bit values take the integer path instead (below).
 
 struct V16 {
   __m256 lo, hi;  // outputs 0-7, 8-15 of a tile
@@ -704,6 +703,158 @@ void product8(const Operands& op, int64_t m) {
   });
 }
 
+// The integer decode path on AVX2, 4-bit values only: the VNNI path's planes and sums (x rounded to
+// int8 planes per row and group, 2 for bfloat16 / float16 x, 3 for float32; see there for the bound),
+// with vpmaddubsw for vpdpbusd. It multiplies the unsigned values (0 .. 15) by a plane's signed
+// bytes in pairs into int16 (2 * 15 * 127 = 3810 a pair, and the two nibble halves' pairs added,
+// 7620: no saturation), vpmaddwd by ones widens them into int32 sums of four. 8-bit values would
+// overflow the int16 pairs (2 * 255 * 127), so they keep the float path. A pass over a tile takes one
+// row of x (its planes' int16 and int32 sums for the tile's two halves: 8 or 12 registers).
+constexpr float kIntegerPlaneRatio = 254.0f;  // each plane's step: the previous one's / 254 (the VNNI path's)
+constexpr int64_t integer_rows_max_avx2(bool half_x) { return half_x ? 4 : 2; }
+
+// Whether the int32 sums of a group cannot overflow: 15 * 127 * its inputs < 2^31.
+bool integer_sums_fit_avx2(const int32_t* group_start, int64_t groups) {
+  int64_t longest = 0;
+  for (int64_t g = 0; g < groups; ++g) longest = std::max<int64_t>(longest, group_start[g + 1] - group_start[g]);
+  return 15 * 127 * longest < (int64_t{1} << 31);
+}
+
+// One row's group [k0, k1) of the float32 staged x into int8 planes (each 8 positions in the
+// nibbles' order 0 2 4 6 1 3 5 7) and [s, each plane's sum over the group]: the VNNI quantise_group.
+template <int Planes>
+void quantise_group8(const float* x, int64_t k0, int64_t k1, int64_t kp, int8_t* planes, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 largest = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  const float s = *std::max_element(lanes, lanes + 8) / 127.0f;
+  sums[0] = _mm256_movemask_ps(unordered) ? std::numeric_limits<float>::quiet_NaN() : s;  // as the VNNI path's
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  __m256i plane_sums[Planes];
+  for (int p = 0; p < Planes; ++p) plane_sums[p] = _mm256_setzero_si256();
+  for (int64_t k = k0; k < k1; k += 8) {
+    __m256 rest = _mm256_loadu_ps(x + k);
+    float step = s;
+    for (int p = 0; p < Planes; ++p, step /= kIntegerPlaneRatio) {
+      const float reciprocal = step >= std::numeric_limits<float>::min() ? 1.0f / step : 0.0f;
+      const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(rest, _mm256_set1_ps(reciprocal)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i q = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), _mm256_set1_epi32(127)),
+                                         _mm256_set1_epi32(-127));
+      rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(step), rest);
+      plane_sums[p] = _mm256_add_epi32(plane_sums[p], q);
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(planes + p * kp + k), _mm_shuffle_epi8(_mm_packs_epi16(words, words), order));
+    }
+  }
+  for (int p = 0; p < Planes; ++p) {
+    alignas(32) int32_t part[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(part), plane_sums[p]);
+    int64_t total = 0;
+    for (int i = 0; i < 8; ++i) total += part[i];
+    sums[1 + p] = static_cast<float>(total);
+  }
+}
+
+struct IntegerX8 {
+  const int32_t* planes;  // int8 [M][Planes][K_p] read as int32 words of 4 positions
+  const float* sums;      // [M][G][1 + Planes]
+};
+
+// y[m, the tile's columns) by the integer path (4-bit values), one row of x: the int16 pairs of up
+// to kInt16Blocks blocks are added before vpmaddwd widens them (4 * 7620 < 32767), a quarter of the
+// widenings, which with the products are what bound this loop (one vector multiply unit a cycle).
+constexpr int kInt16Blocks = 4;
+
+template <int Planes>
+__attribute__((noinline)) void tile_row_int8(const Operands& op, const IntegerX8& ix, int64_t tile, int64_t m) {
+  const int64_t plane_words = op.kp / 4;
+  const int32_t* blocks = op.packed + tile * op.kp * kTileCols / 8;
+  const int32_t* x = ix.planes + m * Planes * plane_words;
+  const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+  float out[1][kTileCols] = {};
+  for (int64_t g = 0; g < op.groups; ++g) {
+    const int64_t k0 = op.group_start[g], k1 = op.group_start[g + 1];
+    if (k0 == k1) continue;
+    __m256i acc[Planes][2];
+#pragma GCC unroll 4
+    for (int p = 0; p < Planes; ++p) acc[p][0] = acc[p][1] = _mm256_setzero_si256();
+    const int32_t* block = blocks + (k0 / 8) * kTileCols;
+    const int32_t* plane = x + k0 / 4;  // plane p's words of positions k .. k + 7: plane[p * plane_words], [+ 1]
+    for (int64_t k = k0; k < k1;) {
+      const int64_t run = std::min<int64_t>(kInt16Blocks, (k1 - k) / 8);
+      __m256i pairs[Planes][2];
+#pragma GCC unroll 4
+      for (int p = 0; p < Planes; ++p) pairs[p][0] = pairs[p][1] = _mm256_setzero_si256();
+      for (int64_t b = 0; b < run; ++b, block += kTileCols, plane += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(block) + 4096, _MM_HINT_T0);  // the VNNI path's look-ahead
+        __m256i low[2], high[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 8 * h));
+          low[h] = _mm256_and_si256(words, nibbles);
+          high[h] = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < Planes; ++p) {
+          const __m256i even = _mm256_set1_epi32(plane[p * plane_words]), odd = _mm256_set1_epi32(plane[p * plane_words + 1]);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            pairs[p][h] = _mm256_add_epi16(pairs[p][h], _mm256_add_epi16(_mm256_maddubs_epi16(low[h], even),
+                                                                         _mm256_maddubs_epi16(high[h], odd)));
+        }
+      }
+      k += run * 8;
+#pragma GCC unroll 4
+      for (int p = 0; p < Planes; ++p)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) acc[p][h] = _mm256_add_epi32(acc[p][h], _mm256_madd_epi16(pairs[p][h], ones));
+    }
+    const int64_t column = g * op.padded_n + tile * kTileCols;
+    const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32(kMagic));
+    const float* sums = ix.sums + (m * op.groups + g) * (1 + Planes);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 zero = _mm256_sub_ps(_mm256_loadu_ps(op.zeros + column + 8 * h), magic);
+      __m256 dot = _mm256_setzero_ps();
+      float weight = 1.0f;
+      for (int p = 0; p < Planes; ++p, weight /= kIntegerPlaneRatio) {
+        // sum of (q - zero) * plane over the group
+        const __m256 centred = _mm256_fnmadd_ps(zero, _mm256_set1_ps(sums[1 + p]), _mm256_cvtepi32_ps(acc[p][h]));
+        dot = _mm256_fmadd_ps(centred, _mm256_set1_ps(weight), dot);
+      }
+      const __m256 scale = _mm256_loadu_ps(op.scales + column + 8 * h);
+      _mm256_storeu_ps(out[0] + 8 * h, _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(sums[0])), scale,
+                                                       _mm256_loadu_ps(out[0] + 8 * h)));
+    }
+  }
+  store_tile_rows8<1>(op, out, tile, m);
+}
+
+// y = x @ W by the integer path (4-bit values, at most integer_rows_max_avx2 rows): op.x is x staged
+// as float32 [M, K_p].
+template <int Planes>
+void integer_product8(const Operands& op, int64_t m) {
+  auto* planes = reinterpret_cast<int8_t*>(decode_scratch(kPlanesSlot, m * Planes * op.kp / 4));
+  float* sums = decode_scratch(kSumsSlot, m * op.groups * (1 + Planes));
+  const float* x = static_cast<const float*>(op.x);
+  for (int64_t row = 0; row < m; ++row)
+    for (int64_t g = 0; g < op.groups; ++g)
+      quantise_group8<Planes>(x + row * op.kp, op.group_start[g], op.group_start[g + 1], op.kp,
+                              planes + row * Planes * op.kp, sums + (row * op.groups + g) * (1 + Planes));
+  const IntegerX8 ix{reinterpret_cast<const int32_t*>(planes), sums};
+  tokenmill::parallel_for(0, op.padded_n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t row = 0; row < m; ++row) tile_row_int8<Planes>(op, ix, tile, row);
+  });
+}
+
 // The float32 result into out's bfloat16 / float16, rounded to nearest even (c10's conversions, as
 // Tensor.copy_ rounds; a NaN stays a NaN).
 void round_into(const float* y, torch::Tensor& out) {
@@ -822,8 +973,17 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
   const int64_t m = x.size(0), kp = x_index.size(0);
   if (m == 0 || out_features == 0) return out;
   const int32_t* index = x_index.data_ptr<int32_t>();
-  auto staged = torch::empty({m, kp}, x.options().dtype(torch::kFloat32));
-  float* staged_ptr = staged.data_ptr<float>();
+  const bool half_x = x.scalar_type() != torch::kFloat32;  // 2 planes for 8 / 11 significant bits, else 3
+  const bool integer = bits == 4 && m <= integer_rows_max_avx2(half_x) &&
+                       integer_sums_fit_avx2(group_start.data_ptr<int32_t>(), group_start.size(0) - 1);
+  torch::Tensor staged, y_tensor;  // the float path's; decode's integer path keeps thread-local buffers
+  float* staged_ptr = nullptr;
+  if (integer) {
+    staged_ptr = decode_scratch(kStagedSlot, m * kp);
+  } else {
+    staged = torch::empty({m, kp}, x.options().dtype(torch::kFloat32));
+    staged_ptr = staged.data_ptr<float>();
+  }
   if (x.scalar_type() == torch::kFloat32) {
     stage_rows<float, float>(x, index, kp, staged_ptr);
   } else if (x.scalar_type() == torch::kBFloat16) {
@@ -832,12 +992,22 @@ torch::Tensor& packed_int_linear_out(const torch::Tensor& x, const torch::Tensor
     stage_rows<c10::Half, float>(x, index, kp, staged_ptr);
   }
   const bool in_place = out.scalar_type() == torch::kFloat32;
-  torch::Tensor y_tensor = in_place ? out : torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+  float* y = in_place ? out.data_ptr<float>() : nullptr;
+  if (!in_place && integer) {
+    y = decode_scratch(kResultSlot, m * out_features);
+  } else if (!in_place) {
+    y_tensor = torch::empty({m, out_features}, x.options().dtype(torch::kFloat32));
+    y = y_tensor.data_ptr<float>();
+  }
   const Operands op{staged_ptr, packed.data_ptr<int32_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(),
-                    group_start.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                    y_tensor.data_ptr<float>(), group_start.size(0) - 1, kp, out_features, scales.size(1)};
-  bits == 4 ? product8<4>(op, m) : product8<8>(op, m);
-  if (!in_place) round_into(y_tensor.data_ptr<float>(), out);
+                    group_start.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, y,
+                    group_start.size(0) - 1, kp, out_features, scales.size(1)};
+  if (integer) {
+    half_x ? integer_product8<2>(op, m) : integer_product8<3>(op, m);
+  } else {
+    bits == 4 ? product8<4>(op, m) : product8<8>(op, m);
+  }
+  if (!in_place) round_into(y, out);
 #else
   TORCH_CHECK(false, "packed_int_linear: this build has no vector kernel: the CPU has neither AVX-512 F/BW/VL nor AVX2 "
                      "(isa() is 'none')");
@@ -864,7 +1034,7 @@ std::string isa() {
 #elif defined(TOKENMILL_PACKED_INT_AVX512)
   return "avx512";
 #elif defined(TOKENMILL_PACKED_INT_AVX2)
-  return "avx2";
+  return "avx2+int4";  // the 4-bit integer decode path by vpmaddubsw
 #else
   return "none";
 #endif
