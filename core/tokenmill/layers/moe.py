@@ -71,19 +71,28 @@ class UnquantizedFusedMoEMethod:
         layer.register_buffer("prepared_experts", None, persistent=False)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        """Once, after loading: the platform's prepared (packed) copy of the experts for its
-        ``routed_fused_moe`` op, where it has an optional ``prepare_moe_experts`` op (the CPU
-        platform's kernel packs them into the panels it streams); only for a layer whose
-        routing runs in that op (``FusedMoE.routes_in_one_op``: whole experts, softmax top-k)."""
+        """Once, after loading: the platform's prepared (packed) copy of the experts, where it has
+        an optional ``prepare_moe_experts`` op (the CPU platform's kernel packs them into the panels
+        it streams), for a layer that holds its experts whole (not under expert parallelism). Its
+        ``routed_fused_moe`` op reads it (softmax top-k routing in the same call), and so does its
+        optional ``prepared_fused_moe`` op for any other routing (DeepSeek's grouped, biased or
+        scaled top-k, chosen by ``select_experts``)."""
         w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
         prepare = getattr(layer_ops(w13.device), "prepare_moe_experts", None)
-        if prepare is not None and layer.routes_in_one_op():
+        if prepare is not None and not layer.placement.is_partial:
             setattr(layer, "prepared_experts", prepare(w13, w2))  # noqa: B010 (a buffer)
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        return layer_ops(x.device).fused_moe(x, cast(torch.Tensor, layer.gate_up_proj),
-                                             cast(torch.Tensor, layer.down_proj), topk_weights, topk_ids)
+        ops = layer_ops(x.device)
+        w13, w2 = cast(torch.Tensor, layer.gate_up_proj), cast(torch.Tensor, layer.down_proj)
+        prepared = getattr(layer, "prepared_experts", None)
+        run_prepared = getattr(ops, "prepared_fused_moe", None)
+        if prepared is not None and run_prepared is not None:
+            out = run_prepared(x, w13, w2, topk_weights, topk_ids, prepared)
+            if out is not None:  # (None: the op declined these tensors)
+                return cast(torch.Tensor, out)
+        return ops.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +273,7 @@ class FusedMoE(nn.Module):
 
     def routes_in_one_op(self) -> bool:
         """Whether this layer's routing and experts can run as one op of the platform's
-        (``_route_and_run_in_one_op``): plain softmax top-k routing of experts held whole. The
-        plain method prepares a packed copy of the experts only then, the only path that reads it."""
+        (``_route_and_run_in_one_op``): plain softmax top-k routing of experts held whole."""
         routing = self.routing
         return not (self.placement.is_partial or routing.scoring != "softmax" or routing.num_groups > 1
                     or routing.correction_bias or routing.scaling_factor != 1.0)

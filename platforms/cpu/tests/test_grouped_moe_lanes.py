@@ -112,3 +112,40 @@ def test_a_step_graph_replays_the_routed_layer_on_packed_experts():
     graph.replay()
     weights, ids = kernels.moe_route(logits, 2, True)
     torch.testing.assert_close(out, NATIVE.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_deepseek_routed_layer_runs_its_packed_experts(monkeypatch, dtype):
+    """Grouped sigmoid top-k with a correction bias and a scaling factor is routed outside the
+    kernel (select_experts), then runs on the packed experts (prepared_fused_moe): the layer packs
+    them although its routing does not run in one op, and gives the reference's output."""
+    from tokenmill.layers import FusedMoE, ModelBuildContext, MoERouting, select_experts
+    from tokenmill.layers import ops as layer_ops_module
+    from tokenmill_platform_cpu.layer_ops import CpuLayerOps
+
+    ops = CpuLayerOps(load_kernels(), packed_budget=1 << 40)
+    if dtype not in {getattr(torch, name) for name in load_kernels().grouped_moe_dtypes()}:
+        pytest.skip(f"this build has no grouped MoE kernel for {dtype}")
+    monkeypatch.setitem(layer_ops_module._BY_DEVICE_TYPE, "cpu", ops)
+    routing = MoERouting(top_k=2, scoring="sigmoid", renormalize=True, num_groups=4, top_groups=2, scaling_factor=2.5,
+                         correction_bias=True)
+    layer = FusedMoE(EXPERTS, HIDDEN, INTER, routing,
+                     ctx=ModelBuildContext(hf_config=None, params_dtype=dtype, prefix="model.layers.1.mlp.experts"))
+    w13, w2 = _experts(dtype)
+    layer.load_checkpoint_tensor("gate_up_proj", w13)
+    layer.load_checkpoint_tensor("down_proj", w2)
+    layer.load_checkpoint_tensor("e_score_correction_bias", torch.randn(EXPERTS, generator=torch.Generator().manual_seed(3)))
+    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+    assert not layer.routes_in_one_op() and layer.prepared_experts is not None
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(4)).to(dtype)
+    logits = torch.randn(64, EXPERTS, generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = ops.prepared_fused_moe
+    monkeypatch.setattr(ops, "prepared_fused_moe", lambda *args: calls.append(1) or real(*args))
+    with torch.no_grad():
+        got = layer(x, logits)
+    weights, ids = select_experts(logits, routing, layer.e_score_correction_bias)
+    expected = NATIVE.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)

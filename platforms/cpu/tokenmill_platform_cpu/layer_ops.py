@@ -141,6 +141,16 @@ class CpuLayerOps(NativeLayerOps):
         self._packed_budget -= packed.nbytes
         return packed
 
+    def prepared_fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor | None:
+        """``fused_moe`` on the experts' packed copy (``prepare_moe_experts``), for a layer whose
+        routing ran outside the kernel (DeepSeek's grouped top-k with a correction bias and a
+        scaling factor, or any other): experts with a block of rows take the lane tiles, as
+        ``routed_fused_moe`` does for softmax top-k. None where the kernel does not apply."""
+        if topk_ids.dim() != 2 or not self._grouped_kernel_applies(x, w13, w2, topk_ids.shape[1], packed=True):
+            return None
+        return active_kernels(self._kernels).grouped_moe(x, w13, w2, topk_weights, topk_ids, packed=prepared)
+
     def routed_fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          top_k: int, renormalize: bool, expert_load: torch.Tensor,
                          prepared: torch.Tensor | None = None) -> torch.Tensor | None:
