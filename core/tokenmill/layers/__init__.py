@@ -58,6 +58,7 @@ from tokenmill.layers.packed_int import (
 )
 from tokenmill.layers.packed_int_cpu import (
     CpuPackedInt,
+    cpu_packed_int_experts,
     cpu_packed_int_linear,
     cpu_packed_int_weights,
     pack_for_cpu,
@@ -83,6 +84,7 @@ __all__ = [
     "values_per_word",
     # their CPU kernel (tokenmill.layers.packed_int_cpu)
     "CpuPackedInt",
+    "cpu_packed_int_experts",
     "cpu_packed_int_linear",
     "cpu_packed_int_weights",
     "pack_for_cpu",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -116,6 +117,28 @@ def cpu_packed_int_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     _chosen(method, f"the packed-int kernel, {packed_int_kernel_isa()} ({bits}-bit values dequantised in registers; "
                     f"{decode})")
     return pack_for_cpu(q, zeros, scales, g_idx, bits, bias)
+
+
+# An expert's (q [K, N], zeros [G, N], scales [G, N], g_idx [K]) for a stack ("gate_up_proj", "down_proj")
+ExpertValues = Callable[[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
+
+
+def cpu_packed_int_experts(values: ExpertValues, experts: int, bits: int,
+                           method: str) -> dict[str, list[CpuPackedInt]] | None:
+    """A MoE layer's experts packed for the CPU kernel, stack by stack and expert by expert (the
+    quantized MoE methods' per-expert matmuls then run on it, ``cpu_packed_int_linear``), or None
+    where the kernel does not take them (the caller's torch path runs; logged as for the linear
+    layers). ``values(stack, expert)`` gives an expert's unpacked values, zeros, scales and g_idx."""
+    packed: dict[str, list[CpuPackedInt]] = {}
+    for stack in EXPERT_STACKS:
+        packed[stack] = []
+        for expert in range(experts):
+            weights = cpu_packed_int_weights(*values(stack, expert), bits, None, method)
+            if weights is None:
+                return None
+            packed[stack].append(weights)
+    return packed
 
 
 def _refusal(q: torch.Tensor, zeros: torch.Tensor, bits: int) -> str | None:

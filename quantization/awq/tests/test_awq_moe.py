@@ -17,7 +17,7 @@ from gptq_models import EXPERTS, LINEAR
 from moe_models import build_moe_model
 from quant_agreement import agreement_with_transformers, greedy_with_logprobs
 
-from tokenmill.layers import FusedMoE, MoERouting, NativeLayerOps, select_experts
+from tokenmill.layers import FusedMoE, MoERouting, NativeLayerOps, packed_int_kernel_runs, select_experts
 from tokenmill_quant_awq.moe import AwqFusedMoEMethod
 
 HIDDEN, INTER, NUM_EXPERTS, GROUP = 64, 48, 8, 16
@@ -55,6 +55,9 @@ def test_awq_experts_match_the_reference_on_dequantised_weights(top_k, tokens):
         layer.load_checkpoint_tensor(name, tensor)
     assert layer.missing_checkpoint_tensors() == []
     assert layer.gate_up_proj_qweight.shape == (NUM_EXPERTS, HIDDEN, 2 * INTER // 8)
+    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[attr-defined]
+    # the packed-int CPU kernel runs the experts wherever it runs the linear layers
+    assert (layer.quant_method.cpu_experts is not None) == packed_int_kernel_runs()  # type: ignore[attr-defined]
     torch.manual_seed(tokens)
     x, logits = torch.randn(tokens, HIDDEN), torch.randn(tokens, NUM_EXPERTS)
     weights, ids = select_experts(logits, layer.routing)

@@ -10,8 +10,10 @@ of hidden size ``H`` and intermediate size ``I`` (``G(K) = K / group_size``):
   all rewritten at load from AWQ's interleaved nibble order to the natural one;
 * ``*_scales`` float32 ``[E, G, N]``.
 
-The experts run one at a time over those that got tokens, each dequantised whole and
-multiplied in the activations' dtype (the linear layers' torch path).
+The experts run one at a time over those that got tokens, each through the linear layers'
+packed-int CPU kernel (each expert's projections packed for it once, at load,
+:func:`tokenmill.layers.cpu_packed_int_experts`), or, where that does not run, dequantised whole
+and multiplied in the activations' dtype (the linear layers' torch path).
 
 Under tensor parallelism (without expert parallelism) every expert is split by its
 intermediate dimension, as the float experts are: rank ``r`` of ``T`` holds gate and up's
@@ -30,7 +32,10 @@ import torch
 from torch import nn
 
 from tokenmill.layers import (
+    CpuPackedInt,
     apply_experts_one_by_one,
+    cpu_packed_int_experts,
+    cpu_packed_int_linear,
     dequantize_grouped,
     expert_tensor_name,
     missing_expert_tensors,
@@ -45,10 +50,11 @@ LEAVES = ("qweight", "qzeros", "scales")
 
 
 class AwqFusedMoEMethod:
-    """Packed AWQ experts, loaded per expert, dequantised per expert at run time."""
+    """Packed AWQ experts, loaded per expert, each run by the packed-int CPU kernel (or dequantised)."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
+        self.cpu_experts: dict[str, list[CpuPackedInt]] | None = None  # the CPU kernel's copy, by stack
         self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
         self.rank, self.world_size = 0, 1  # set by create_weights
 
@@ -120,6 +126,24 @@ class AwqFusedMoEMethod:
         """Each expert's ``qweight`` / ``qzeros`` / ``scales`` that never came."""
         return missing_expert_tensors(layer, self.loaded, LEAVES)
 
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Once, after loading: the experts packed for the CPU kernel, where it takes them."""
+        if cast(torch.Tensor, layer.down_proj_qweight).device.type != "cpu":
+            return
+
+        def values(stack: str, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            qweight, zeros, scales = (cast(torch.Tensor, getattr(layer, f"{stack}_{leaf}"))[expert] for leaf in LEAVES)
+            return (unpack_columns(qweight, BITS), unpack_columns(zeros, BITS), scales,
+                    cast(torch.Tensor, getattr(layer, f"{stack}_g_idx")))
+
+        self.cpu_experts = cpu_packed_int_experts(values, layer.num_local_experts, BITS, "awq")
+
+    def expert_matmul(self, layer: FusedMoE, stack: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [M, K]`` by expert ``expert``'s ``stack`` weight ``[K, N]``, in their dtype."""
+        if self.cpu_experts is not None:
+            return cpu_packed_int_linear(rows, self.cpu_experts[stack][expert])
+        return rows @ self.expert_weight(layer, stack, expert, rows.dtype)
+
     def expert_weight(self, layer: FusedMoE, stack: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``expert``'s ``stack`` weight, dequantised ``[K, N]``."""
         qweight, zeros, scales = (cast(torch.Tensor, getattr(layer, f"{stack}_{leaf}"))[expert] for leaf in LEAVES)
@@ -128,6 +152,4 @@ class AwqFusedMoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        return apply_experts_one_by_one(
-            x, topk_weights, topk_ids,
-            lambda stack, expert, rows: rows @ self.expert_weight(layer, stack, expert, rows.dtype))
+        return apply_experts_one_by_one(x, topk_weights, topk_ids, functools.partial(self.expert_matmul, layer))

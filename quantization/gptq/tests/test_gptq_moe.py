@@ -18,7 +18,7 @@ from gptq_models import EXPERTS, LINEAR, GptqRecipe, build_gptq_pair, gptq_tenso
 from moe_models import build_moe_model
 from quant_agreement import agreement_with_transformers, greedy_with_logprobs
 
-from tokenmill.layers import FusedMoE, MoERouting, NativeLayerOps, select_experts
+from tokenmill.layers import FusedMoE, MoERouting, NativeLayerOps, packed_int_kernel_runs, select_experts
 from tokenmill_quant_gptq.method import GptqScheme
 from tokenmill_quant_gptq.moe import GptqFusedMoEMethod
 
@@ -76,6 +76,8 @@ def test_gptq_experts_match_the_reference_on_dequantised_weights(recipe, top_k, 
     assert layer.gate_up_proj_qweight.dtype == torch.int32
     assert layer.gate_up_proj_qweight.shape == (NUM_EXPERTS, HIDDEN // 8, 2 * INTER)
     assert not hasattr(layer, "gate_up_proj")  # no float copy of the experts is kept
+    # the packed-int CPU kernel runs the experts wherever it runs the linear layers
+    assert (layer.quant_method.cpu_experts is not None) == packed_int_kernel_runs()  # type: ignore[union-attr]
     torch.manual_seed(tokens)
     x, logits = torch.randn(tokens, HIDDEN), torch.randn(tokens, NUM_EXPERTS)
     weights, ids = select_experts(logits, layer.routing)

@@ -13,9 +13,11 @@ over ``K`` inputs):
 * ``*_g_idx`` int32 ``[E, K]``: gate and up of one expert must agree on it (act-order is
   a property of the input), as a merged linear layer's shards must.
 
-The experts run one at a time over those that got tokens (the float reference's loop),
-each dequantised whole and multiplied in the activations' dtype, or, on CUDA with
-triton, through the linear layers' packed-int Triton matmul.
+The experts run one at a time over those that got tokens (the float reference's loop), each
+through the linear layers' packed-int kernel: on the CPU the C++ one (each expert's projections
+packed for it once, at load, :func:`tokenmill.layers.cpu_packed_int_experts`), on CUDA with triton
+the Triton matmul; elsewhere each expert is dequantised whole and multiplied in the activations'
+dtype.
 
 Under tensor parallelism (without expert parallelism) every expert is split by its
 intermediate dimension, as the float experts are: rank ``r`` of ``T`` holds gate and up's
@@ -35,8 +37,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from tokenmill.layers import apply_experts_one_by_one, expert_tensor_name, missing_expert_tensors
-from tokenmill_quant_gptq.kernels import gptq_dequantize, unpack_columns, values_per_word
+from tokenmill.layers import (
+    CpuPackedInt,
+    apply_experts_one_by_one,
+    cpu_packed_int_experts,
+    cpu_packed_int_linear,
+    expert_tensor_name,
+    missing_expert_tensors,
+)
+from tokenmill_quant_gptq.kernels import gptq_dequantize, unpack_columns, unpack_rows, values_per_word
 from tokenmill_quant_gptq.method import GptqScheme, choose_packed_int_kernel
 
 if TYPE_CHECKING:
@@ -47,11 +56,12 @@ REQUIRED_LEAVES = ("qweight", "qzeros", "scales")  # g_idx may be left out (no a
 
 
 class GptqFusedMoEMethod:
-    """Packed GPTQ experts, loaded per expert, dequantised per expert at run time."""
+    """Packed GPTQ experts, loaded per expert, each run by the packed-int kernel (or dequantised)."""
 
     def __init__(self, scheme: GptqScheme) -> None:
         self.scheme = scheme
         self.kernel = "torch"  # chosen once the weights are on their device
+        self.cpu_experts: dict[str, list[CpuPackedInt]] | None = None  # the CPU kernel's copy, by stack
         self.loaded: set[tuple[int, str, int | None, str]] = set()  # (expert, stack, shard, leaf)
         self.rank, self.world_size, self.down_group_mode = 0, 1, "whole"  # set by create_weights
 
@@ -172,7 +182,16 @@ class GptqFusedMoEMethod:
             if g_idx.min() < 0 or g_idx.max() >= scales.shape[1]:
                 raise ValueError(f"{layer.prefix}.{stack}_g_idx: group indices {int(g_idx.min())}.."
                                  f"{int(g_idx.max())} outside the {scales.shape[1]} groups of its scales")
-        self.kernel = choose_packed_int_kernel(self._param(layer, "down_proj", "qweight").device)
+        device = self._param(layer, "down_proj", "qweight").device
+        if device.type == "cpu":  # the CPU kernel where it takes the experts (it logs which runs)
+
+            def values(stack: str, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                qweight, zeros, scales, g_idx = (self._param(layer, stack, leaf)[expert]
+                                                 for leaf in ("qweight", "qzeros", "scales", "g_idx"))
+                return unpack_rows(qweight, self.scheme.bits), zeros, scales, g_idx
+
+            self.cpu_experts = cpu_packed_int_experts(values, layer.num_local_experts, self.scheme.bits, "gptq")
+        self.kernel = "cpu" if self.cpu_experts is not None else choose_packed_int_kernel(device)
 
     @staticmethod
     def _param(layer: FusedMoE, stack: str, leaf: str) -> torch.Tensor:
@@ -180,6 +199,8 @@ class GptqFusedMoEMethod:
 
     def expert_matmul(self, layer: FusedMoE, stack: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` by expert ``expert``'s ``stack`` weight ``[K, N]``, in ``x``'s dtype."""
+        if self.cpu_experts is not None:
+            return cpu_packed_int_linear(x, self.cpu_experts[stack][expert])
         qweight, zeros, scales, g_idx = (self._param(layer, stack, leaf)[expert]
                                          for leaf in ("qweight", "qzeros", "scales", "g_idx"))
         if self.kernel == "triton":
